@@ -1,0 +1,15 @@
+"""kcla_mm: Key-Correlated Layer Attention for MMDetection and MMSegmentation.
+
+``import kcla_mm`` registers the backbones, heads, datasets and metrics in the
+mmdet and mmseg registries (see :mod:`kcla_mm.registry`) and makes mmengine's
+checkpoint loading safe under torch >= 2.6 (see :mod:`kcla_mm.utils.checkpoint`).
+The operators in :mod:`kcla_mm.ops` are pure torch.
+"""
+from .version import __version__
+from .registry import register_all
+from .utils.checkpoint import install_safe_loader
+
+install_safe_loader()
+register_all()
+
+__all__ = ['__version__', 'register_all', 'install_safe_loader']

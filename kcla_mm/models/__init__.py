@@ -1,0 +1,1 @@
+"""Models built on the host libraries (backbones, decode heads)."""

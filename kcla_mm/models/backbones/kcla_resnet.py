@@ -1,0 +1,155 @@
+"""Layer attention threaded through the stages of a host ResNet.
+
+:class:`KCLAResNetMixin` turns the ResNet of a host library (mmdet or mmseg)
+into a layer-attention ResNet without copying it: the host builds the stem and
+the stages with its own arguments and parameter names; the mixin adds one
+layer-attention module per block (``layer{s}_attn.{i}``), threads the
+operator state through all stages and keeps the host's semantics of
+``out_indices``, ``frozen_stages``, ``norm_eval`` and ``with_cp``.
+"""
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence, Tuple
+
+import torch.utils.checkpoint as cp
+from mmcv.cnn import build_norm_layer
+from torch import Tensor, nn
+
+from ...ops import BlockPosition, build_layer_attn
+
+DEFAULT_LAYER_ATTN: Mapping = MappingProxyType({'type': 'KCLA'})
+
+
+def _as_tuple(value, name: str) -> Tuple[int, ...]:
+    if isinstance(value, int):
+        return (value, )
+    try:
+        return tuple(int(v) for v in value)
+    except TypeError:
+        raise ValueError(f'{name} must be an int or a sequence of ints, got {name}={value!r}')
+
+
+class KCLAResNetMixin:
+    """Adds layer attention to a host ``ResNet`` subclass (put it first in the MRO).
+
+    Args:
+        depth: 18, 34 (BasicBlock), 50, 101 or 152 (Bottleneck).
+        layer_attn: the layer-attention method of every block,
+            ``dict(type='KCLA' | 'FullLayerAttention' | 'MRLALight', **kwargs)``,
+            or ``None`` for exactly the host ResNet. Keyword arguments go to the
+            operator (e.g. ``drop_path``, ``temperature_range``, ``clamp``,
+            ``renorm_blocks`` for KCLA).
+        head_dim: channels per head; default 64 for Bottleneck depths and 16
+            for BasicBlock depths (whose first stage has only 64 channels).
+        **kwargs: the host ResNet's arguments, with their host semantics.
+    """
+
+    def __init__(self,
+                 depth: int,
+                 layer_attn: Optional[Mapping] = DEFAULT_LAYER_ATTN,
+                 head_dim: Optional[int] = None,
+                 **kwargs) -> None:
+        self._check_host_args(depth, kwargs)
+        self.layer_attn_cfg = None if layer_attn is None else dict(layer_attn)
+        self.layer_attn_names = []
+        super().__init__(depth=depth, **kwargs)
+        if self.layer_attn_cfg is not None:
+            self._make_layer_attn(head_dim)
+            self._freeze_stages()
+
+    def _check_host_args(self, depth: int, kwargs: dict) -> None:
+        # The host asserts or raises bare KeyErrors; name the argument instead.
+        if depth not in self.arch_settings:
+            raise ValueError(f'depth={depth!r} is not supported; choose one of '
+                             f'{sorted(self.arch_settings)}')
+        num_stages = kwargs.get('num_stages', 4)
+        if not 1 <= num_stages <= 4:
+            raise ValueError(f'num_stages must be in [1, 4], got num_stages={num_stages!r}')
+        out_indices = _as_tuple(kwargs.get('out_indices', (0, 1, 2, 3)), 'out_indices')
+        bad = [i for i in out_indices if not 0 <= i < num_stages]
+        if bad:
+            raise ValueError(f'out_indices={out_indices} has {bad} out of range for '
+                             f'num_stages={num_stages} (valid: 0..{num_stages - 1})')
+        frozen = kwargs.get('frozen_stages', -1)
+        if not -1 <= frozen <= num_stages:
+            raise ValueError(f'frozen_stages must be in [-1, {num_stages}], '
+                             f'got frozen_stages={frozen!r}')
+
+    def _make_layer_attn(self, head_dim: Optional[int]) -> None:
+        expansion = self.block.expansion
+        if head_dim is None:
+            head_dim = 64 if expansion > 1 else 16
+        norm_cfg = self.norm_cfg
+
+        def norm_layer(channels: int) -> nn.Module:
+            return build_norm_layer(norm_cfg, channels)[1]
+
+        prev_channels = None
+        for i, name in enumerate(self.res_layers):
+            channels = self.base_channels * 2**i * expansion
+            modules = []
+            for j in range(len(getattr(self, name))):
+                position = BlockPosition(
+                    stage=i, block=j,
+                    prev_channels=prev_channels if j == 0 else channels,
+                    stride=self.strides[i] if j == 0 else 1)
+                modules.append(build_layer_attn(self.layer_attn_cfg, channels, position,
+                                                head_dim=head_dim, norm_layer=norm_layer))
+            self.add_module(f'{name}_attn', nn.ModuleList(modules))
+            self.layer_attn_names.append(f'{name}_attn')
+            prev_channels = channels
+
+    def _freeze_stages(self) -> None:
+        super()._freeze_stages()
+        for i in range(1, self.frozen_stages + 1):
+            if f'layer{i}_attn' in self.layer_attn_names:
+                m = getattr(self, f'layer{i}_attn')
+                m.eval()
+                for param in m.parameters():
+                    param.requires_grad = False
+
+    def init_weights(self) -> None:
+        """Host init (Kaiming/Pretrained), then the operators' own init.
+
+        mmengine applies the host's ``init_cfg`` to the whole backbone; unless
+        a checkpoint is loaded, the layer-attention modules are re-initialised
+        with the reference scheme (Xavier for Wq/Wk/Phi/Wk_u), which the host's
+        Kaiming-for-``Conv2d`` would not give.
+        """
+        super().init_weights()
+        init_cfg = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg]
+        pretrained = any(isinstance(c, dict) and c.get('type') == 'Pretrained' for c in init_cfg)
+        if not pretrained:
+            for name in self.layer_attn_names:
+                for m in getattr(self, name):
+                    m.reset_parameters()
+
+    def _stem(self, x: Tensor) -> Tensor:
+        if self.deep_stem:
+            x = self.stem(x)
+        else:
+            x = self.relu(self.norm1(self.conv1(x)))
+        return self.maxpool(x)
+
+    def _attend(self, attn: nn.Module, x: Tensor, state):
+        if self.with_cp and x.requires_grad:
+            return cp.checkpoint(attn, x, state, use_reentrant=False)
+        return attn(x, state)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
+        """Per-stage outputs for ``out_indices``; ``[B, C_s, H/2^(s+2), W/2^(s+2)]``."""
+        if self.layer_attn_cfg is None:
+            return super().forward(x)
+        x = self._stem(x)
+        state = None
+        outs = []
+        for i, name in enumerate(self.res_layers):
+            for block, attn in zip(getattr(self, name), getattr(self, f'{name}_attn')):
+                x = block(x)
+                x, state = self._attend(attn, x, state)
+            if i in self.out_indices:
+                outs.append(x)
+        return tuple(outs)
+
+    def layer_attn_modules(self) -> Sequence[nn.Module]:
+        """All layer-attention modules in block order (empty for a plain ResNet)."""
+        return [m for name in self.layer_attn_names for m in getattr(self, name)]

@@ -1,0 +1,164 @@
+"""Pieces shared by the layer-attention operators (pure torch).
+
+Every operator in :mod:`kcla_mm.ops` uses the same projections as the
+reference code: ECA-style 1-D convolutions over the pooled channel vector for
+queries and keys, a depthwise 3x3 convolution for values.
+"""
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+NormLayer = Callable[[int], nn.Module]
+
+
+def eca_kernel_size(channels: int) -> int:
+    """ECA kernel size: ``t = int(|(log2(C) + 1) / 2|)``, made odd.
+
+    Gives 5 for C = 256, 512, 1024 and 7 for C = 2048 (spec section 4).
+    """
+    t = int(abs((math.log2(channels) + 1) / 2))
+    return t if t % 2 else t + 1
+
+
+def eca_conv(channels: int) -> nn.Conv1d:
+    """``Conv1d(1, 1, k, padding=(k-1)//2, bias=False)`` over ``[B, 1, C]``."""
+    k = eca_kernel_size(channels)
+    return nn.Conv1d(1, 1, k, padding=(k - 1) // 2, bias=False)
+
+
+def value_conv(channels: int) -> nn.Conv2d:
+    """Depthwise ``Conv2d(C, C, 3, padding=1, groups=C, bias=False)``."""
+    return nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False)
+
+
+def check_heads(channels: int, head_dim: int) -> int:
+    """Return the number of heads ``G = channels / head_dim`` or raise."""
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f'head_dim must be a positive int, got head_dim={head_dim!r}')
+    if not isinstance(channels, int) or channels <= 0:
+        raise ValueError(f'channels must be a positive int, got channels={channels!r}')
+    if channels % head_dim:
+        raise ValueError(
+            f'channels={channels} is not divisible by head_dim={head_dim}; '
+            'choose a head_dim that divides every stage width')
+    return channels // head_dim
+
+
+def check_drop_path(drop_path: float) -> float:
+    if not 0.0 <= float(drop_path) < 1.0:
+        raise ValueError(f'drop_path must be in [0, 1), got drop_path={drop_path!r}')
+    return float(drop_path)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types, else the dtype itself (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def pooled_qk(x: Tensor, wq: nn.Module, wk: nn.Module, num_heads: int):
+    """Queries and keys from the global average pool, in float32.
+
+    Args:
+        x: block output, ``[B, C, H, W]``.
+
+    Returns:
+        ``(q, k)``, each ``[B, G, d]`` in float32 or wider (spec section 6: under AMP the
+        weights and the gate are computed in float32).
+    """
+    b, c = x.shape[:2]
+    acc = compute_dtype(x.dtype)
+    p = x.mean((2, 3), dtype=acc).unsqueeze(1)  # [B, 1, C]
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        q = F.conv1d(p, wq.weight.to(acc), padding=wq.padding)  # [B, 1, C]
+        k = F.conv1d(p, wk.weight.to(acc), padding=wk.padding)  # [B, 1, C]
+    return q.view(b, num_heads, c // num_heads), k.view(b, num_heads, c // num_heads)
+
+
+def per_channel(t: Tensor, head_dim: int, dtype: torch.dtype) -> Tensor:
+    """Broadcast a per-head tensor ``[B, G]`` to ``[B, G*d, 1, 1]``."""
+    return t.repeat_interleave(head_dim, dim=1).to(dtype)[:, :, None, None]
+
+
+def check_input(x: Tensor, channels: int, name: str) -> None:
+    if x.dim() != 4 or x.shape[1] != channels:
+        raise ValueError(
+            f'{name} expects a [B, {channels}, H, W] tensor, got shape {tuple(x.shape)}')
+
+
+def check_batch(state_batch: int, x: Tensor, name: str) -> None:
+    if state_batch != x.shape[0]:
+        raise ValueError(
+            f'{name}: state has batch size {state_batch} but the input has batch size '
+            f'{x.shape[0]}; a state never crosses samples, pass the state of this batch')
+
+
+class DropPath(nn.Module):
+    """Stochastic depth per sample (Huang et al. 2016), identity in eval."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.p = check_drop_path(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = 1.0 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+        return x * mask.div_(keep)
+
+    def extra_repr(self) -> str:
+        return f'p={self.p}'
+
+
+def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor) -> Optional[Tensor]:
+    """``norm(v * scale)`` as one per-sample, per-channel affine when possible.
+
+    In eval mode a BatchNorm is an affine map per channel, so a per-sample
+    per-channel gate folds into it: ``gamma * (s v - mu) / sigma + beta =
+    (gamma s / sigma) v + (beta - gamma mu / sigma)``. One pass over ``v``
+    instead of three. Returns ``None`` where the fold does not apply (training,
+    GroupNorm, no running statistics); the caller then uses the plain path.
+
+    Args:
+        v: ``[B, C, H, W]``.
+        scale: ``[B, C, 1, 1]``.
+    """
+    if (norm.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm)
+            or norm.running_mean is None):
+        return None
+    acc = compute_dtype(v.dtype)
+    inv_std = torch.rsqrt(norm.running_var.to(acc) + norm.eps)  # [C]
+    weight = norm.weight.to(acc) * inv_std if norm.affine else inv_std
+    shift = -norm.running_mean.to(acc) * weight
+    if norm.affine:
+        shift = shift + norm.bias.to(acc)
+    a = scale.to(acc) * weight[None, :, None, None]  # [B, C, 1, 1]
+    return torch.addcmul(shift[None, :, None, None].to(v.dtype), v, a.to(v.dtype))
+
+
+@dataclass(frozen=True)
+class BlockPosition:
+    """Where a layer-attention module sits in the backbone.
+
+    Attributes:
+        stage: stage index, 0-based.
+        block: block index within the stage, 0-based.
+        prev_channels: width of the previous block's output (the state that
+            arrives at this block), ``None`` for the very first block of the
+            network, where no state can arrive.
+        stride: spatial stride between the previous block's output and this
+            block's output (the stage stride at a stage's first block, else 1).
+    """
+
+    stage: int
+    block: int
+    prev_channels: Optional[int]
+    stride: int = 1
+
+    @property
+    def stage_start(self) -> bool:
+        return self.block == 0

@@ -1,0 +1,1 @@
+"""Utilities: safe checkpoint loading."""

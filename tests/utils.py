@@ -1,0 +1,46 @@
+"""Shared predicates and tiny builders for the test suite."""
+import math
+
+import torch
+from torch import nn
+
+
+def assert_finite(t: torch.Tensor, what: str = 'tensor') -> None:
+    bad = ~torch.isfinite(t)
+    assert not bad.any(), f'{what} has {int(bad.sum())} non-finite values'
+
+
+def params_without_grad(module: nn.Module):
+    """Names of trainable parameters whose .grad is None or all zero."""
+    return [n for n, p in module.named_parameters()
+            if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+
+
+def state_bytes(state) -> int:
+    """Bytes of all tensors held by an operator state (NamedTuple of tensors or tuples)."""
+    total = 0
+    for field in state:
+        tensors = field if isinstance(field, tuple) else (field, )
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def reference_inv_tau(num_heads: int, lo: float = 0.7, hi: float = 1 / 0.7) -> torch.Tensor:
+    """``seq = exp(linspace(ln lo, ln hi, G))`` written out independently."""
+    if num_heads == 1:
+        return torch.tensor([lo], dtype=torch.float64)
+    step = (math.log(hi) - math.log(lo)) / (num_heads - 1)
+    return torch.tensor([math.exp(math.log(lo) + g * step) for g in range(num_heads)],
+                        dtype=torch.float64)
+
+
+def randomize_norms(module: nn.Module, seed: int = 0) -> None:
+    """Give every BatchNorm non-trivial affine parameters and running statistics."""
+    g = torch.Generator().manual_seed(seed)
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
