@@ -22,6 +22,8 @@ DET_COMPONENTS: List[Entry] = [
 #: mmseg scope (``mmseg.registry``).
 SEG_COMPONENTS: List[Entry] = [
     ('MODELS', 'kcla_mm.models.backbones.mmseg_kcla_resnet:KCLAResNetSeg', 'KCLAResNet'),
+    ('MODELS', 'kcla_mm.models.decode_heads.unet_head:UNetHead', 'UNetHead'),
+    ('MODELS', 'kcla_mm.models.losses.binary_dice_loss:BinaryDiceLoss', 'BinaryDiceLoss'),
 ]
 
 HOSTS: Dict[str, List[Entry]] = {'mmdet': DET_COMPONENTS, 'mmseg': SEG_COMPONENTS}
