@@ -24,6 +24,8 @@ SEG_COMPONENTS: List[Entry] = [
     ('MODELS', 'kcla_mm.models.backbones.mmseg_kcla_resnet:KCLAResNetSeg', 'KCLAResNet'),
     ('MODELS', 'kcla_mm.models.decode_heads.unet_head:UNetHead', 'UNetHead'),
     ('MODELS', 'kcla_mm.models.losses.binary_dice_loss:BinaryDiceLoss', 'BinaryDiceLoss'),
+    ('METRICS', 'kcla_mm.evaluation.metrics.foreground_iou_metric:ForegroundIoUMetric',
+     'ForegroundIoUMetric'),
 ]
 
 HOSTS: Dict[str, List[Entry]] = {'mmdet': DET_COMPONENTS, 'mmseg': SEG_COMPONENTS}
