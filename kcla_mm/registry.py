@@ -24,6 +24,9 @@ SEG_COMPONENTS: List[Entry] = [
     ('MODELS', 'kcla_mm.models.backbones.mmseg_kcla_resnet:KCLAResNetSeg', 'KCLAResNet'),
     ('MODELS', 'kcla_mm.models.decode_heads.unet_head:UNetHead', 'UNetHead'),
     ('MODELS', 'kcla_mm.models.losses.binary_dice_loss:BinaryDiceLoss', 'BinaryDiceLoss'),
+    ('DATASETS', 'kcla_mm.datasets.medical:ISIC2017Dataset', 'ISIC2017Dataset'),
+    ('DATASETS', 'kcla_mm.datasets.medical:ISIC2018Dataset', 'ISIC2018Dataset'),
+    ('DATASETS', 'kcla_mm.datasets.medical:KvasirSEGDataset', 'KvasirSEGDataset'),
     ('METRICS', 'kcla_mm.evaluation.metrics.foreground_iou_metric:ForegroundIoUMetric',
      'ForegroundIoUMetric'),
 ]
