@@ -1,6 +1,4 @@
 """Shared predicates and tiny builders for the test suite."""
-import math
-
 import torch
 from torch import nn
 
@@ -23,15 +21,6 @@ def state_bytes(state) -> int:
         tensors = field if isinstance(field, tuple) else (field, )
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
-
-
-def reference_inv_tau(num_heads: int, lo: float = 0.7, hi: float = 1 / 0.7) -> torch.Tensor:
-    """``seq = exp(linspace(ln lo, ln hi, G))`` written out independently."""
-    if num_heads == 1:
-        return torch.tensor([lo], dtype=torch.float64)
-    step = (math.log(hi) - math.log(lo)) / (num_heads - 1)
-    return torch.tensor([math.exp(math.log(lo) + g * step) for g in range(num_heads)],
-                        dtype=torch.float64)
 
 
 def randomize_norms(module: nn.Module, seed: int = 0) -> None:

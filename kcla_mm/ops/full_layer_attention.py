@@ -62,7 +62,10 @@ class FullLayerAttention(nn.Module):
         self.head_dim = head_dim
         self.num_heads = check_heads(channels, head_dim)
         self.stage_start = bool(stage_start)
-        self.wq = eca_conv(channels)
+        # NOTE: at a stage start the softmax runs over one block (weight 1), so
+        # the query is never used; not creating Wq keeps DDP free of unused
+        # parameters.
+        self.wq = None if self.stage_start else eca_conv(channels)
         self.wk = eca_conv(channels)
         self.wv = value_conv(channels)
         self.norm = norm_layer(channels)
@@ -75,13 +78,15 @@ class FullLayerAttention(nn.Module):
         return cls(channels, stage_start=position.stage_start, **kwargs)
 
     def reset_parameters(self) -> None:
-        nn.init.xavier_uniform_(self.wq.weight)
+        if self.wq is not None:
+            nn.init.xavier_uniform_(self.wq.weight)
         nn.init.xavier_uniform_(self.wk.weight)
         nn.init.kaiming_normal_(self.wv.weight, mode='fan_out', nonlinearity='relu')
 
-    def keys(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """Queries and keys of ``x``: each ``[B, G, d]`` float32."""
-        return pooled_qk(x, self.wq, self.wk, self.num_heads)
+    def keys(self, x: Tensor) -> Tuple[Optional[Tensor], Tensor]:
+        """Queries and keys of ``x``: each ``[B, G, d]`` float32 (no query at a stage start)."""
+        q, k = pooled_qk(x, self.wq or self.wk, self.wk, self.num_heads)
+        return (None if self.wq is None else q), k
 
     def attention(self, q: Tensor, keys: Tuple[Tensor, ...]) -> Tensor:
         """Softmax weights over the history: ``[B, G, T]`` float32."""
@@ -89,8 +94,10 @@ class FullLayerAttention(nn.Module):
         return torch.softmax(torch.einsum('bgd,bgdt->bgt', q, k) / math.sqrt(self.head_dim),
                              dim=-1)
 
-    def aggregate(self, q: Tensor, state: FullLayerAttentionState) -> Tensor:
+    def aggregate(self, q: Optional[Tensor], state: FullLayerAttentionState) -> Tensor:
         """``sum_s softmax_s(<q, k_s> / sqrt(d)) v_s`` per head: ``[B, C, H, W]``."""
+        if len(state.values) == 1:  # one block: softmax weight 1
+            return state.values[0]
         attn = self.attention(q, state.keys)  # [B, G, T]
         b, c, h, w = state.values[0].shape
         agg = None

@@ -6,44 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from utils import (assert_finite, params_without_grad, randomize_norms, reference_inv_tau,
-                   state_bytes)
+from reference_kcla import as_reference, reference_step
+from reference_kcla import seq as reference_inv_tau
+from utils import assert_finite, params_without_grad, randomize_norms, state_bytes
 
 from kcla_mm.ops import KCLA, BlockPosition, FullLayerAttention, KCLAState
 
 
 # ---------------------------------------------------------------- reference
-def naive_kcla(layer: KCLA, x, uz, clamp=10.0, eps=1e-3):
+def naive_kcla(layer: KCLA, x, uz):
     """Spec sections 4-5 with raw sums u, z, as the reference code does."""
-    b, c, h, w = x.shape
-    g, d = layer.num_heads, layer.head_dim
-    seq = reference_inv_tau(g).to(x.dtype)
-    if uz is not None and layer.renorm:
-        u, z = uz
-        ubar = (u / z).reshape(b, -1, u.shape[-2], u.shape[-1])  # no epsilon
-        if layer.adjust is not None:
-            ubar = layer.adjust(ubar)
-        ubar = layer.norm_u(ubar)
-        ku = layer.wk_u(ubar.mean((2, 3))[:, None]).view(b, g, d)
-        zz = torch.exp(torch.clamp(ku.norm(dim=-1) * seq, max=clamp))  # [B, G]
-        uz = (ubar.view(b, g, d, h, w) * zz[..., None, None, None], zz[..., None, None, None])
-    p = x.mean((2, 3))[:, None]  # [B, 1, C]
-    q = layer.wq(p).view(b, g, d)
-    k = layer.wk(p).view(b, g, d)
-    n = k.norm(dim=-1)
-    logit = n * seq if clamp is None else torch.clamp(n * seq, max=clamp)
-    wgt = torch.exp(logit)[..., None, None, None]  # [B, G, 1, 1, 1]
-    xg = x.view(b, g, d, h, w)
-    if uz is None:
-        u, z = wgt * xg, wgt
-    else:
-        u, z = uz[0] + wgt * xg, uz[1] + wgt
-    xbar = (u / (z + eps)).view(b, c, h, w)
-    v = layer.wv(xbar)
-    hh = (q * k).sum(-1) / n
-    a = torch.sigmoid(hh @ layer.phi.weight.t())  # [B, G]
-    o = F.relu(layer.norm((a[..., None, None, None] * v.view(b, g, d, h, w)).view(b, c, h, w)))
-    return x + o, (u, z)
+    return reference_step(as_reference(layer), x, uz, layer.renorm, layer.head_dim)
 
 
 def make_network(widths, depths, head_dim, renorm_blocks=(0, 11), **kw):

@@ -107,21 +107,57 @@ class KCLAResNetMixin:
                 for param in m.parameters():
                     param.requires_grad = False
 
+    def train(self, mode: bool = True):
+        """The host's ``train`` (frozen stages, ``norm_eval``), returning ``self``."""
+        super().train(mode)
+        return self
+
     def init_weights(self) -> None:
         """Host init (Kaiming/Pretrained), then the operators' own init.
 
         mmengine applies the host's ``init_cfg`` to the whole backbone; unless
         a checkpoint is loaded, the layer-attention modules are re-initialised
         with the reference scheme (Xavier for Wq/Wk/Phi/Wk_u), which the host's
-        Kaiming-for-``Conv2d`` would not give.
+        Kaiming-for-``Conv2d`` would not give. A ``Pretrained`` checkpoint of the
+        KCLA reference trainer (``layer{s}.attention.{i}`` keys) is converted on
+        the fly, as ``tools/model_converters/kcla_official_to_mmlab.py`` does.
         """
+        pretrained = self._pretrained_cfg()
+        if pretrained is not None and self._load_official(pretrained):
+            return
         super().init_weights()
+        if pretrained is None:
+            for m in self.layer_attn_modules():
+                m.reset_parameters()
+
+    def _pretrained_cfg(self) -> Optional[dict]:
         init_cfg = self.init_cfg if isinstance(self.init_cfg, list) else [self.init_cfg]
-        pretrained = any(isinstance(c, dict) and c.get('type') == 'Pretrained' for c in init_cfg)
-        if not pretrained:
-            for name in self.layer_attn_names:
-                for m in getattr(self, name):
-                    m.reset_parameters()
+        for c in init_cfg:
+            if isinstance(c, Mapping) and c.get('type') == 'Pretrained':
+                return c
+        return None
+
+    def _load_official(self, cfg: Mapping) -> bool:
+        """Load a reference-layout checkpoint; ``False`` if it is not one."""
+        if self.layer_attn_cfg is None or cfg.get('prefix'):
+            return False
+        from mmengine.logging import print_log
+        from mmengine.runner.checkpoint import CheckpointLoader
+
+        from ...utils.official_checkpoint import (convert_official_state_dict,
+                                                  extract_state_dict, is_official_layout)
+        ckpt = CheckpointLoader.load_checkpoint(cfg['checkpoint'], map_location='cpu')
+        sd = extract_state_dict(ckpt)
+        if not is_official_layout(sd):
+            return False
+        kw = {k: v for k, v in self.layer_attn_cfg.items() if k == 'temperature_range'}
+        converted, report = convert_official_state_dict(sd, **kw)
+        missing, unexpected = self.load_state_dict(converted, strict=False)
+        print_log(f'loaded KCLA reference checkpoint {cfg["checkpoint"]}: '
+                  f'{len(converted)} tensors, missing {missing}, unexpected {unexpected}, '
+                  f'unmapped {report["unmapped"]}', logger='current')
+        self._is_init = True
+        return True
 
     def _stem(self, x: Tensor) -> Tensor:
         if self.deep_stem:

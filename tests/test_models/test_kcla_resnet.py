@@ -1,0 +1,228 @@
+"""KCLAResNet on both hosts: shapes, host semantics, keys, init, checkpoints."""
+import pytest
+import torch
+from mmdet.models.backbones import ResNet as DetResNet
+from mmseg.models.backbones import ResNet as SegResNet
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from utils import params_without_grad, randomize_norms
+
+from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg
+from kcla_mm.ops import KCLA, FullLayerAttention, MRLALight
+
+METHODS = {'KCLA': KCLA, 'FullLayerAttention': FullLayerAttention, 'MRLALight': MRLALight}
+HOSTS = [(KCLAResNet, DetResNet), (KCLAResNetSeg, SegResNet)]
+
+
+def tiny(cls=KCLAResNet, depth=50, method='KCLA', **kw):
+    """Tiny widths: Bottleneck stages of 32..256 channels, BasicBlock 8..64."""
+    base = 8
+    kw.setdefault('head_dim', 8)
+    layer_attn = None if method is None else dict(type=method)
+    if cls is KCLAResNetSeg:
+        kw.setdefault('stem_channels', base)
+    return cls(depth=depth, base_channels=base, layer_attn=layer_attn, **kw)
+
+
+@pytest.mark.parametrize('depth', [18, 34, 50, 101, 152])
+@pytest.mark.parametrize('method', list(METHODS) + [None])
+def test_stage_shapes(depth, method):
+    model = tiny(depth=depth, method=method).eval()
+    outs = model(torch.rand(2, 3, 64, 64))
+    exp = 1 if depth < 50 else 4
+    assert [tuple(o.shape) for o in outs] == [(2, 8 * 2**i * exp, 16 >> i, 16 >> i)
+                                              for i in range(4)]
+    n_blocks = sum(len(getattr(model, n)) for n in model.res_layers)
+    mods = model.layer_attn_modules()
+    assert len(mods) == (0 if method is None else n_blocks)
+    assert all(isinstance(m, METHODS[method]) for m in mods)
+
+
+@pytest.mark.parametrize('out_indices', [(0, ), (3, ), (1, 3), (0, 1, 2, 3)])
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+def test_out_indices(cls, out_indices):
+    outs = tiny(cls, depth=18, out_indices=out_indices).eval()(torch.rand(1, 3, 32, 32))
+    assert [o.shape[1] for o in outs] == [8 * 2**i for i in out_indices]
+
+
+@pytest.mark.parametrize('cls, host', HOSTS)
+def test_layer_attn_none_is_exactly_the_host(cls, host):
+    ours = tiny(cls, depth=50, method=None)
+    kw = dict(stem_channels=8) if host is SegResNet else {}
+    ref = host(depth=50, base_channels=8, **kw)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    x = torch.rand(1, 3, 32, 32)
+    ref.eval()  # the host's train() returns None
+    for a, b in zip(ours.eval()(x), ref(x)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize('cls, host', HOSTS)
+@pytest.mark.parametrize('method', list(METHODS))
+def test_resnet_part_keys_equal_the_host(cls, host, method):
+    ours = tiny(cls, depth=50, method=method)
+    kw = dict(stem_channels=8) if host is SegResNet else {}
+    host_keys = set(host(depth=50, base_channels=8, **kw).state_dict())
+    keys = set(ours.state_dict())
+    assert keys - host_keys and all('_attn.' in k for k in keys - host_keys)
+    assert host_keys <= keys
+    # a host checkpoint loads, with only layer-attention keys missing
+    missing, unexpected = ours.load_state_dict(
+        host(depth=50, base_channels=8, **kw).state_dict(), strict=False)
+    assert unexpected == [] and missing and all('_attn.' in k for k in missing)
+
+
+@pytest.mark.parametrize('method', list(METHODS))
+def test_frozen_stages_freeze_layer_attention(method):
+    model = tiny(depth=18, method=method, frozen_stages=2, norm_eval=False)
+    model.train()
+    for name in ('layer1', 'layer1_attn', 'layer2', 'layer2_attn'):
+        mod = getattr(model, name)
+        assert all(not p.requires_grad for p in mod.parameters()), name
+        assert all(not m.training for m in mod.modules() if isinstance(m, _BatchNorm)), name
+    for name in ('layer3', 'layer3_attn'):
+        assert all(p.requires_grad for p in getattr(model, name).parameters()), name
+    assert not model.conv1.weight.requires_grad
+
+
+def test_norm_eval_includes_layer_attention_norms():
+    model = tiny(depth=18, norm_eval=True).train()
+    bns = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    attn_bns = [m for a in model.layer_attn_modules() for m in a.modules()
+                if isinstance(m, _BatchNorm)]
+    assert attn_bns and all(not m.training for m in bns)
+    model = tiny(depth=18, norm_eval=False).train()
+    assert all(m.training for m in model.modules() if isinstance(m, _BatchNorm))
+
+
+@pytest.mark.parametrize('method', list(METHODS))
+def test_with_cp_equals_plain_path(method):
+    torch.manual_seed(0)
+    # float64: the tiny model's gradients are large and cancel in BN biases,
+    # so float32 recomputation noise would hide real differences
+    plain = tiny(depth=50, method=method, norm_eval=False).double().train()
+    ckpt = tiny(depth=50, method=method, norm_eval=False, with_cp=True).double().train()
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.rand(2, 3, 32, 32, dtype=torch.float64)
+    outs = []
+    for model in (plain, ckpt):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        sum(o.square().mean() for o in out).backward()
+        outs.append((out, xi.grad, {n: p.grad for n, p in model.named_parameters()}))
+    for a, b in zip(outs[0][0], outs[1][0]):
+        torch.testing.assert_close(a, b)
+
+    torch.testing.assert_close(outs[0][1], outs[1][1])
+    for n, g in outs[0][2].items():
+        torch.testing.assert_close(g, outs[1][2][n], msg=n)
+
+
+@pytest.mark.parametrize('method', list(METHODS))
+def test_every_trainable_parameter_gets_a_gradient(method):
+    model = tiny(depth=18, method=method, norm_eval=False).train()
+    sum(o.mean() for o in model(torch.rand(2, 3, 32, 32))).backward()
+    # no unused parameters: DDP needs no find_unused_parameters
+    assert params_without_grad(model) == []
+
+
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+def test_dilated_stride_one_stages(cls):
+    # dilated segmentation backbone: stages 3 and 4 keep the resolution
+    model = tiny(cls, depth=50, strides=(1, 2, 1, 1), dilations=(1, 1, 2, 4)).eval()
+    outs = model(torch.rand(1, 3, 64, 64))
+    assert [tuple(o.shape[2:]) for o in outs] == [(16, 16), (8, 8), (8, 8), (8, 8)]
+    attn3 = model.layer3_attn[0]
+    assert attn3.adjust.stride == (1, 1) and attn3.adjust.in_channels == 64
+
+
+@pytest.mark.parametrize('norm_cfg, norm_type', [
+    (dict(type='BN'), nn.BatchNorm2d),
+    (dict(type='GN', num_groups=4), nn.GroupNorm),
+    (dict(type='SyncBN'), nn.SyncBatchNorm),
+])
+def test_norm_cfg_applies_to_layer_attention(norm_cfg, norm_type):
+    model = tiny(depth=18, norm_cfg=norm_cfg)
+    assert isinstance(model.layer2_attn[0].norm, norm_type)
+    assert isinstance(model.layer2_attn[0].norm_u, norm_type)
+    if norm_type is nn.GroupNorm:
+        assert all(torch.isfinite(o).all() for o in model.eval()(torch.rand(1, 3, 32, 32)))
+
+
+def test_caffe_style_and_deep_stem():
+    outs = tiny(depth=50, style='caffe', deep_stem=True, avg_down=True).eval()(
+        torch.rand(1, 3, 32, 32))
+    assert outs[-1].shape == (1, 256, 1, 1)
+
+
+def test_init_weights_keeps_reference_initialisation():
+    model = tiny(depth=50)
+    for m in model.layer_attn_modules():
+        for p in m.parameters():
+            nn.init.zeros_(p)
+    model.init_weights()
+    layer = model.layer2_attn[0]
+    for conv in (layer.wq, layer.wk, layer.wk_u, layer.phi):
+        fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(conv.weight)
+        bound = (6 / (fan_in + fan_out))**0.5  # xavier-uniform
+        w = conv.weight.detach()
+        assert w.abs().max() <= bound + 1e-6 and w.abs().max() > bound / 4
+    c = layer.channels  # kaiming normal (fan_out = 9 C for a depthwise 3x3)
+    std = layer.wv.weight.std().item()
+    assert 0.7 * (2 / (9 * c))**0.5 < std < 1.3 * (2 / (9 * c))**0.5
+
+
+def test_parameter_count_of_kcla_r50_against_the_reference():
+    # The reference's KCLA layers of ResNet-50 hold 302,046 parameters, 236 of
+    # them the frozen temperatures (a buffer here) and 8,709 the init modules
+    # of the first block (adjust 256x32, u_Wk 5, u_bn 512), which never
+    # receive a state and are not created here.
+    model = KCLAResNet(depth=50)
+    n = sum(p.numel() for m in model.layer_attn_modules() for p in m.parameters())
+    assert n == 302_046 - 236 - (256 * 32 + 5 + 512)
+    plain = sum(p.numel() for p in KCLAResNet(depth=50, layer_attn=None).parameters())
+    assert plain + n + 236 + 8709 + 2_049_000 == 25_859_078
+
+
+def test_doctest_examples_run():
+    import doctest
+
+    from kcla_mm.models.backbones import mmdet_kcla_resnet, mmseg_kcla_resnet
+    for mod in (mmdet_kcla_resnet, mmseg_kcla_resnet):
+        res = doctest.testmod(mod)
+        assert res.attempted > 0 and res.failed == 0
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(depth=19), 'depth=19'),
+    (dict(depth=50, out_indices=(0, 4)), r'out_indices=\(0, 4\)'),
+    (dict(depth=50, frozen_stages=7), 'frozen_stages=7'),
+    (dict(depth=50, layer_attn=dict(type='Nope')), "'Nope'"),
+    (dict(depth=50, head_dim=48), 'head_dim=48'),
+    (dict(depth=50, layer_attn=dict(type='KCLA', temperature_range=(0, 1))),
+     'temperature_range'),
+    (dict(depth=50, layer_attn=dict(type='KCLA', bogus=1)), 'bogus'),
+])
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+def test_bad_arguments_raise_at_build_time(cls, kwargs, match):
+    # every invalid backbone argument names itself and its value
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_randomized_norms_do_not_break_eval_fold():
+    # eval-mode folding of the attention BN equals the unfolded computation
+    model = tiny(depth=18).eval()
+    randomize_norms(model)
+    x = torch.rand(2, 3, 32, 32)
+    a = model(x)
+    import kcla_mm.ops.kcla as kmod
+    orig = kmod.fold_norm
+    kmod.fold_norm = lambda *args: None
+    try:
+        b = model(x)
+    finally:
+        kmod.fold_norm = orig
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
