@@ -5,9 +5,9 @@ mmdet and mmseg registries (see :mod:`kcla_mm.registry`) and makes mmengine's
 checkpoint loading safe under torch >= 2.6 (see :mod:`kcla_mm.utils.checkpoint`).
 The operators in :mod:`kcla_mm.ops` are pure torch.
 """
-from .version import __version__
 from .registry import register_all
 from .utils.checkpoint import install_safe_loader
+from .version import __version__
 
 install_safe_loader()
 register_all()

@@ -117,7 +117,8 @@ class RefKCLAResNet(nn.Module):
             c = blocks[0].conv3.out_channels if hasattr(blocks[0], 'conv3') \
                 else blocks[0].conv2.out_channels
             widths.append(c)
-            atts = [RefAttention(c, head_dim, init=(i in renorm_blocks)) for i in range(len(blocks))]
+            atts = [RefAttention(c, head_dim, init=(i in renorm_blocks))
+                    for i in range(len(blocks))]
             self.add_module(f'layer{s + 1}', RefStage(blocks, atts))
         self.fc = nn.Linear(widths[-1], num_classes)
         self.num_stages = len(widths)

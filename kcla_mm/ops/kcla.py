@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path,
-                      check_heads, check_input, eca_conv, fold_norm, per_channel,
-                      pooled_qk, value_conv)
+from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
+                      check_input, eca_conv, fold_norm, per_channel, pooled_qk, value_conv)
 
 
 class KCLAState(NamedTuple):

@@ -15,9 +15,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path,
-                      check_heads, check_input, eca_conv, per_channel, pooled_qk,
-                      value_conv)
+from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
+                      check_input, eca_conv, per_channel, pooled_qk, value_conv)
 
 
 class MRLALightState(NamedTuple):

@@ -27,7 +27,8 @@ _ATTN_NAMES = {
 }
 _BLOCK = re.compile(r'^layer(\d+)\.layers\.(\d+)\.(.+)$')
 _ATTN = re.compile(r'^layer(\d+)\.attention\.(\d+)\.([A-Za-z_]+)(\..+)?$')
-_STEM = re.compile(r'^(conv1\.weight|bn1\.(weight|bias|running_mean|running_var|num_batches_tracked))$')
+_STEM = re.compile(
+    r'^(conv1\.weight|bn1\.(weight|bias|running_mean|running_var|num_batches_tracked))$')
 
 
 class NotAnOfficialCheckpoint(ValueError):

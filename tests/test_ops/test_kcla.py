@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from reference_kcla import as_reference, reference_step
 from reference_kcla import seq as reference_inv_tau
+from torch import nn
 from utils import assert_finite, params_without_grad, randomize_norms, state_bytes
 
 from kcla_mm.ops import KCLA, BlockPosition, FullLayerAttention, KCLAState

@@ -11,8 +11,7 @@ from reference_kcla import RefKCLAResNet, eca_k
 from utils import randomize_norms
 
 from kcla_mm.models.backbones import KCLAResNet
-from kcla_mm.utils.official_checkpoint import (NotAnOfficialCheckpoint,
-                                               convert_official_state_dict)
+from kcla_mm.utils.official_checkpoint import NotAnOfficialCheckpoint, convert_official_state_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'model_converters' / 'kcla_official_to_mmlab.py'

@@ -17,8 +17,8 @@ import tempfile
 import torch
 
 from kcla_mm.utils.checkpoint import TRUST_ENV, safe_load
-from kcla_mm.utils.official_checkpoint import (NotAnOfficialCheckpoint,
-                                               convert_official_state_dict, extract_state_dict)
+from kcla_mm.utils.official_checkpoint import (NotAnOfficialCheckpoint, convert_official_state_dict,
+                                               extract_state_dict)
 
 
 def parse_args(argv=None):

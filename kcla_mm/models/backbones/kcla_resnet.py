@@ -144,8 +144,8 @@ class KCLAResNetMixin:
         from mmengine.logging import print_log
         from mmengine.runner.checkpoint import CheckpointLoader
 
-        from ...utils.official_checkpoint import (convert_official_state_dict,
-                                                  extract_state_dict, is_official_layout)
+        from ...utils.official_checkpoint import (convert_official_state_dict, extract_state_dict,
+                                                  is_official_layout)
         ckpt = CheckpointLoader.load_checkpoint(cfg['checkpoint'], map_location='cpu')
         sd = extract_state_dict(ckpt)
         if not is_official_layout(sd):
