@@ -1,0 +1,2 @@
+_base_ = './unet_kcla-r34_1xb8-300e_isic2018-256x256.py'
+model = dict(backbone=dict(layer_attn=dict(type='FullLayerAttention')))

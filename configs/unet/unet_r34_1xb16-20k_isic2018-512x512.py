@@ -1,0 +1,2 @@
+_base_ = './unet_kcla-r34_1xb16-20k_isic2018-512x512.py'
+model = dict(backbone=dict(layer_attn=None))
