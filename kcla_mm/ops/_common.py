@@ -103,12 +103,17 @@ class DropPath(nn.Module):
         super().__init__()
         self.p = check_drop_path(p)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def keep_mask(self, x: Tensor) -> Optional[Tensor]:
+        """Per-sample mask ``[B, 1, ..., 1]`` scaled by ``1/keep``, or ``None`` (identity)."""
         if self.p == 0.0 or not self.training:
-            return x
+            return None
         keep = 1.0 - self.p
         mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
-        return x * mask.div_(keep)
+        return mask.div_(keep)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = self.keep_mask(x)
+        return x if mask is None else x * mask
 
     def extra_repr(self) -> str:
         return f'p={self.p}'

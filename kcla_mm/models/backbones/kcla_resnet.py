@@ -10,6 +10,7 @@ operator state through all stages and keeps the host's semantics of
 from types import MappingProxyType
 from typing import Mapping, Optional, Sequence, Tuple
 
+import torch
 import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from torch import Tensor, nn
@@ -28,6 +29,19 @@ def _as_tuple(value, name: str) -> Tuple[int, ...]:
         raise ValueError(f'{name} must be an int or a sequence of ints, got {name}={value!r}')
 
 
+def _check_finite(x: Tensor, name: str) -> None:
+    """Raise if the backbone input holds NaN or Inf: one reduction in the normal case."""
+    if torch.isfinite(x).all():
+        return
+    bad = ~torch.isfinite(x.detach())  # [B, C, H, W]
+    samples = bad.flatten(1).any(1).nonzero().flatten().tolist()
+    kinds = [k for k, m in (('NaN', torch.isnan), ('Inf', torch.isinf)) if m(x.detach()).any()]
+    raise ValueError(
+        f'{name} input x of shape {tuple(x.shape)} holds {int(bad.sum())} non-finite values '
+        f'({"/".join(kinds)}) in batch samples {samples}; the features would be NaN. Check '
+        'these images and the data preprocessor (mean/std)')
+
+
 class KCLAResNetMixin:
     """Adds layer attention to a host ``ResNet`` subclass (put it first in the MRO).
 
@@ -40,6 +54,11 @@ class KCLAResNetMixin:
             ``renorm_blocks`` for KCLA).
         head_dim: channels per head; default 64 for Bottleneck depths and 16
             for BasicBlock depths (whose first stage has only 64 channels).
+        channels_last: run the whole backbone in the channels-last memory
+            format (outputs too). Default ``None``: on when layer attention is
+            used, whose depthwise value convolution is many times slower in
+            NCHW on CPU; converting only around it would make BatchNorm and the
+            element-wise state update slow instead. Values are unchanged.
         **kwargs: the host ResNet's arguments, with their host semantics.
     """
 
@@ -47,9 +66,12 @@ class KCLAResNetMixin:
                  depth: int,
                  layer_attn: Optional[Mapping] = DEFAULT_LAYER_ATTN,
                  head_dim: Optional[int] = None,
+                 channels_last: Optional[bool] = None,
                  **kwargs) -> None:
         self._check_host_args(depth, kwargs)
         self.layer_attn_cfg = None if layer_attn is None else dict(layer_attn)
+        self.channels_last = (layer_attn is not None) if channels_last is None \
+            else bool(channels_last)
         self.layer_attn_names = []
         super().__init__(depth=depth, **kwargs)
         if self.layer_attn_cfg is not None:
@@ -172,7 +194,16 @@ class KCLAResNetMixin:
         return attn(x, state)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
-        """Per-stage outputs for ``out_indices``; ``[B, C_s, H/2^(s+2), W/2^(s+2)]``."""
+        """Per-stage outputs for ``out_indices``; ``[B, C_s, H/2^(s+2), W/2^(s+2)]``.
+
+        Raises:
+            ValueError: ``x`` holds NaN or Inf (checked eagerly; skipped while
+                tracing or compiling).
+        """
+        if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+            _check_finite(x, type(self).__name__)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         if self.layer_attn_cfg is None:
             return super().forward(x)
         x = self._stem(x)
