@@ -258,3 +258,73 @@ def test_state_of_another_shape_needs_an_init_layer():
 def test_wrong_input_width():
     with pytest.raises(ValueError, match=r'\[B, 16, H, W\]'):
         KCLA(16, head_dim=8)(torch.rand(2, 8, 4, 4))
+
+
+# ------------------------------------------------- memory-efficient training path
+def _train_step(net, xs, recompute, monkeypatch):
+    import kcla_mm.ops.kcla as kmod
+    monkeypatch.setattr(kmod, '_recomputable', lambda norm: recompute)
+    state, loss = None, 0
+    for layer, x in zip(net, xs):
+        out, state = layer(x, state)
+        loss = loss + (out * torch.linspace(0, 1, out.numel(), dtype=out.dtype)
+                       .view_as(out)).sum()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in net.named_parameters()}, \
+        [x.grad.clone() for x in xs], \
+        {n: b.clone() for n, b in net.named_buffers() if 'running' in n}
+
+
+def test_recomputed_tail_equals_plain_autograd(monkeypatch):
+    # same gradients, same BatchNorm running statistics (updated exactly once)
+    torch.manual_seed(0)
+    widths, depths = (16, 32), (3, 3)
+    net = make_network(widths, depths, head_dim=8, drop_path=0.0).double().train()
+    init = {k: v.clone() for k, v in net.state_dict().items()}
+    results = []
+    for recompute in (False, True):
+        net.load_state_dict(init)
+        net.zero_grad()
+        xs = [x.requires_grad_() for x in block_inputs(widths, depths)]
+        results.append(_train_step(net, xs, recompute, monkeypatch))
+    (g0, x0, b0), (g1, x1, b1) = results
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], msg=n)
+    for a, b in zip(x0, x1):
+        torch.testing.assert_close(b, a)
+    for n in b0:
+        torch.testing.assert_close(b1[n], b0[n], msg=n)
+    assert not torch.equal(b0['0.norm.running_mean'], init['0.norm.running_mean'])
+
+
+def test_drop_path_mask_is_the_same_in_recomputation(monkeypatch):
+    torch.manual_seed(0)
+    net = make_network((16, ), (3, ), head_dim=8, drop_path=0.5).double().train()
+    init = {k: v.clone() for k, v in net.state_dict().items()}
+    grads = []
+    for recompute in (False, True):
+        net.load_state_dict(init)
+        net.zero_grad()
+        torch.manual_seed(1)
+        xs = [x.requires_grad_() for x in block_inputs((16, ), (3, ))]
+        grads.append(_train_step(net, xs, recompute, monkeypatch)[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
+
+
+def test_channels_last_gives_the_same_values():
+    torch.manual_seed(0)
+    net = make_network((16, 32), (2, 2), head_dim=8).eval()
+    randomize_norms(net)
+    xs = [x.float() for x in block_inputs((16, 32), (2, 2))]
+    outs = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        state, res = None, []
+        for layer, x in zip(net, xs):
+            out, state = layer(x.contiguous(memory_format=fmt), state)
+            res.append(out)
+        outs.append(res)
+    assert outs[1][-1].is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
