@@ -45,12 +45,32 @@ def _numpy_globals() -> List[Any]:
     return out
 
 
+#: The methods ``HistoryBuffer.__getstate__`` pickles (as ``getattr(HistoryBuffer, name)``).
+_HISTORY_BUFFER_METHODS = ('min', 'max', 'current', 'mean')
+
+
+def _history_buffer_method(owner: Any, name: Any) -> Any:
+    """``builtins.getattr`` as far as mmengine checkpoints need it, and no further.
+
+    mmengine's message hub pickles each ``HistoryBuffer`` with its statistics
+    methods, which pickle writes as ``getattr(HistoryBuffer, 'mean')``. A free
+    ``getattr`` in an unpickler reaches any attribute (``__globals__``, ...),
+    so only these four lookups are allowed.
+    """
+    from mmengine.logging.history_buffer import HistoryBuffer
+    if owner is HistoryBuffer and name in _HISTORY_BUFFER_METHODS:
+        return getattr(HistoryBuffer, name)
+    raise pickle.UnpicklingError(
+        f'Unsupported global: GLOBAL builtins.getattr({owner!r}, {name!r}); only '
+        f'getattr(HistoryBuffer, one of {_HISTORY_BUFFER_METHODS}) is allowed')
+
+
 def allowed_globals() -> List[Any]:
     """The types mmengine's own checkpoints contain, beyond what torch allows."""
     out = _numpy_globals() + [collections.OrderedDict, collections.defaultdict]
     try:
         from mmengine.logging.history_buffer import HistoryBuffer
-        out.append(HistoryBuffer)
+        out += [HistoryBuffer, (_history_buffer_method, 'builtins.getattr')]
     except ImportError:
         pass
     try:
