@@ -12,14 +12,30 @@ mmengine's local-file checkpoint loader (used by ``load_from``, ``--resume``,
 A file that needs any other type is refused with an error that names the
 type. To load such a file knowingly, set ``KCLA_MM_TRUST_CHECKPOINTS=1`` (the
 tools' ``--trust-checkpoint`` flag does this): it is then loaded with
-``weights_only=False``. Only do this for files you trust.
+``weights_only=False``. Only do this for files you trust. A file that is
+truncated or otherwise not a complete checkpoint is refused with
+:class:`CorruptCheckpointError`, which names the file.
+
+Saving: mmengine 0.10.7 writes checkpoints in place (``LocalBackend.put``
+opens the final path with ``'wb'``), so a run killed mid-write leaves a
+partial file under the final name and destroys the file it overwrote.
+:func:`install_atomic_save` makes that ``put`` write a temporary file in the
+same folder, ``fsync`` it and ``os.replace`` it onto the final name: the final
+name holds either the old file or the complete new one, never a part.
 """
 import collections
+import functools
+import io
 import os
 import os.path as osp
 import pickle
+import pickletools
 import re
-from typing import Any, List, Optional
+import stat
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any, Callable, List, Optional, Union
 
 import torch
 
@@ -28,6 +44,16 @@ TRUST_ENV = 'KCLA_MM_TRUST_CHECKPOINTS'
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint needs a type outside the allow-list."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file is truncated, empty or not a torch checkpoint at all."""
+
+
+#: Substrings of the errors torch.load raises for incomplete or foreign files
+#: (zip format: no central directory; legacy format: unexpected end of data).
+_CORRUPT_PATTERNS = ('PytorchStreamReader failed', 'unexpected EOF', 'pickle data was truncated',
+                     'invalid load key', 'Ran out of input', 'file might be corrupted')
 
 
 def _numpy_globals() -> List[Any]:
@@ -85,6 +111,35 @@ def trusted() -> bool:
     return os.environ.get(TRUST_ENV, '') not in ('', '0', 'false', 'False')
 
 
+def _pickles_parse(f: Any) -> bool:
+    """Whether the pickles of a checkpoint file are complete, without running any of them.
+
+    ``pickletools.genops`` only decodes opcodes. Zip checkpoints hold one
+    pickle (``*/data.pkl``); legacy ones start with five consecutive pickles
+    (magic number, protocol, system info, objects, storage keys). ``False``
+    means truncated or garbage; ``True`` for objects that are not paths.
+    """
+    if not isinstance(f, (str, os.PathLike)):
+        return True
+    try:
+        if zipfile.is_zipfile(f):
+            with zipfile.ZipFile(f) as z:
+                names = [n for n in z.namelist() if n.endswith('data.pkl')]
+                streams = [io.BytesIO(z.read(names[0]))] if names else []
+        else:
+            with open(f, 'rb') as fh:
+                data = io.BytesIO(fh.read())
+            streams = [data] * 5
+        if not streams:
+            return False
+        for stream in streams:
+            for _ in pickletools.genops(stream):
+                pass
+    except Exception:
+        return False
+    return True
+
+
 def safe_load(f, map_location: Optional[Any] = None, trust: Optional[bool] = None) -> Any:
     """``torch.load`` with ``weights_only=True`` and the mmengine allow-list.
 
@@ -97,16 +152,26 @@ def safe_load(f, map_location: Optional[Any] = None, trust: Optional[bool] = Non
     Raises:
         UnsafeCheckpointError: the file needs a type outside the allow-list;
             the message names it.
+        CorruptCheckpointError: the file is truncated or not a checkpoint.
     """
-    if trust if trust is not None else trusted():
-        return torch.load(f, map_location=map_location, weights_only=False)
+    name = f if isinstance(f, (str, os.PathLike)) else 'the checkpoint'
     try:
+        if trust if trust is not None else trusted():
+            return torch.load(f, map_location=map_location, weights_only=False)
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(f, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
+        if (isinstance(e, EOFError) or any(p in str(e) for p in _CORRUPT_PATTERNS)
+                or not _pickles_parse(f)):
+            reason = str(e).splitlines()[0] if str(e) else 'end of file'
+            raise CorruptCheckpointError(
+                f'{name} is not a complete checkpoint (truncated, empty or not written by '
+                f'torch.save): {type(e).__name__}: {reason}. An interrupted save or download '
+                'leaves such a file; use an earlier checkpoint or download it again.') from None
+        if not isinstance(e, pickle.UnpicklingError):
+            raise
         found = re.findall(r'GLOBAL ([\w.]+)', str(e)) or re.findall(r'global[: ]+([\w.]+)', str(e))
         what = found[0] if found else 'an object outside the allow-list'
-        name = f if isinstance(f, (str, os.PathLike)) else 'the checkpoint'
         raise UnsafeCheckpointError(
             f'refusing to load {name}: it needs {what}, which is not in kcla_mm\'s '
             'allow-list of checkpoint types (tensors, containers, numpy arrays and '
@@ -130,3 +195,67 @@ def install_safe_loader() -> None:
     except ImportError:
         return
     CheckpointLoader.register_scheme(prefixes='', loader=load_from_local, force=True)
+
+
+def atomic_write_bytes(data: bytes, path: Union[str, Path]) -> None:
+    """Write ``data`` to ``path`` so that ``path`` never holds a partial file.
+
+    The bytes go to a temporary file in the same folder, which is flushed to
+    disk and then renamed onto ``path`` (``os.replace`` is atomic within a
+    file system). An existing file keeps its permissions; a new one gets the
+    usual ``0o666 & ~umask``. A symlink is followed: its target is replaced.
+    On any error the temporary file is removed and ``path`` is unchanged; a
+    process killed mid-write leaves at most a ``.<name>.tmp-*`` file.
+
+    Args:
+        data: the complete file contents.
+        path: the final file name; its folder is created if needed.
+    """
+    path = osp.realpath(os.fspath(path))
+    folder = osp.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = osp.join(folder, f'.{osp.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if osp.exists(path):
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        if osp.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _atomic_put(original: Callable) -> Callable:
+
+    @functools.wraps(original)
+    def put(self, obj: bytes, filepath: Union[str, Path]) -> None:
+        target = osp.realpath(os.fspath(filepath))
+        if osp.exists(target) and not osp.isfile(target):
+            return original(self, obj, filepath)  # a device or pipe: write in place
+        atomic_write_bytes(obj, target)
+
+    put.kcla_mm_atomic = True
+    return put
+
+
+def install_atomic_save() -> None:
+    """Make mmengine's local file backend write files atomically (idempotent).
+
+    Covers every checkpoint mmengine saves (``CheckpointHook``,
+    ``Runner.save_checkpoint``, ``mmengine.runner.save_checkpoint``) and every
+    other ``LocalBackend.put``. NOTE: the ``last_checkpoint`` pointer file is
+    written by ``CheckpointHook`` with ``open`` (not through ``put``), but only
+    after the checkpoint it names has been renamed into place, so it never
+    names a partial file.
+    """
+    try:
+        from mmengine.fileio.backends.local_backend import LocalBackend
+    except ImportError:
+        return
+    if not getattr(LocalBackend.put, 'kcla_mm_atomic', False):
+        LocalBackend.put = _atomic_put(LocalBackend.put)
