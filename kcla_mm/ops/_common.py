@@ -6,7 +6,7 @@ queries and keys, a depthwise 3x3 convolution for values.
 """
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,29 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def eca(p: Tensor, *convs: nn.Conv1d) -> Tuple[Tensor, ...]:
+    """Apply ECA 1-D convolutions to pooled channel vectors, cheaply.
+
+    Equal to ``conv(p[:, None])[:, 0]`` for each ``conv``, but computed as one
+    small matrix product over a sliding window: a ``Conv1d`` call on a
+    ``[B, 1, C]`` tensor costs milliseconds of kernel set-up on CPU, more than
+    the whole element-wise part of a KCLA block. The ``Conv1d`` modules are kept
+    for their parameters (and the reference checkpoint layout).
+
+    Args:
+        p: ``[B, C]``.
+
+    Returns:
+        one ``[B, C]`` tensor per convolution, in the dtype of ``p``.
+    """
+    k = convs[0].weight.shape[-1]
+    pad = (k - 1) // 2
+    windows = F.pad(p, (pad, pad)).unfold(1, k, 1)  # [B, C, k]
+    weight = torch.stack([c.weight.reshape(k) for c in convs], dim=1).to(p.dtype)  # [k, n]
+    out = windows @ weight  # [B, C, n]
+    return tuple(out.unbind(-1))
+
+
 def pooled_qk(x: Tensor, wq: nn.Module, wk: nn.Module, num_heads: int):
     """Queries and keys from the global average pool, in float32.
 
@@ -66,15 +89,13 @@ def pooled_qk(x: Tensor, wq: nn.Module, wk: nn.Module, num_heads: int):
         x: block output, ``[B, C, H, W]``.
 
     Returns:
-        ``(q, k)``, each ``[B, G, d]`` in float32 or wider (spec section 6: under AMP the
-        weights and the gate are computed in float32).
+        ``(q, k)``, each ``[B, G, d]`` in float32 or wider (spec section 6:
+        under AMP the weights and the gate are computed in float32).
     """
     b, c = x.shape[:2]
-    acc = compute_dtype(x.dtype)
-    p = x.mean((2, 3), dtype=acc).unsqueeze(1)  # [B, 1, C]
+    p = x.mean((2, 3), dtype=compute_dtype(x.dtype))  # [B, C]
     with torch.autocast(device_type=x.device.type, enabled=False):
-        q = F.conv1d(p, wq.weight.to(acc), padding=wq.padding)  # [B, 1, C]
-        k = F.conv1d(p, wk.weight.to(acc), padding=wk.padding)  # [B, 1, C]
+        q, k = eca(p, wq, wk)  # [B, C] each
     return q.view(b, num_heads, c // num_heads), k.view(b, num_heads, c // num_heads)
 
 

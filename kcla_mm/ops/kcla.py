@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
-                      check_input, eca_conv, fold_norm, per_channel, pooled_qk, value_conv)
+                      check_input, compute_dtype, eca, eca_conv, fold_norm, per_channel, pooled_qk,
+                      value_conv)
 
 
 class KCLAState(NamedTuple):
@@ -216,8 +217,11 @@ class KCLA(nn.Module):
                 f'KCLA init layer: the adapted state has shape {tuple(ubar.shape[1:])} but '
                 f'the block output has shape {tuple(x.shape[1:])}; check prev_channels='
                 f'{self.prev_channels} and stride={self.stride}')
-        _, k_u = pooled_qk(ubar, self.wk_u, self.wk_u, self.num_heads)
-        return KCLAState(ubar, self.logits(k_u))  # u = ubar * z  =>  u / z = ubar
+        b = ubar.shape[0]
+        with torch.autocast(device_type=ubar.device.type, enabled=False):
+            k_u, = eca(ubar.mean((2, 3), dtype=compute_dtype(ubar.dtype)), self.wk_u)
+        # u = ubar * z  =>  u / z = ubar
+        return KCLAState(ubar, self.logits(k_u.view(b, self.num_heads, self.head_dim)))
 
     def accumulate(self, x: Tensor, logit: Tensor,
                    state: Optional[KCLAState]) -> KCLAState:
@@ -264,7 +268,9 @@ class KCLA(nn.Module):
         o = F.relu(o, inplace=True)
         if keep is not None:
             o = o * keep.to(o.dtype)
-        return x + o, mean
+        if torch.is_grad_enabled():  # ReLU's backward needs its output
+            return x + o, mean
+        return o.add_(x), mean  # no new feature map
 
     def forward(self, x: Tensor,
                 state: Optional[KCLAState] = None) -> Tuple[Tensor, KCLAState]:
