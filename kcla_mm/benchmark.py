@@ -1,0 +1,447 @@
+"""Cost of layer attention against depth: parameters, FLOPs, time and memory.
+
+The logic behind ``tools/analysis_tools/benchmark_layer_attention.py``. Every
+candidate is a backbone (method x depth) built from the same ``KCLAResNet``
+machinery; the plain ResNet (``layer_attn=None``) of the same depth is the
+baseline, measured in the same run.
+
+Two depth families:
+
+* ``imagenet``: ResNet-50/101/152 (Bottleneck, 4 stages, ``head_dim=64``);
+* ``cifar``: the CIFAR ResNets of He et al. (2016, section 4.2), depth
+  ``6n + 2``: a 3x3 stem without max-pooling, then 3 stages of ``n``
+  BasicBlocks of 16, 32 and 64 channels (``head_dim=16``). Deep and narrow, so
+  the quadratic history of exact layer attention shows.
+
+Measurements (see :func:`measure_times` and :func:`peak_train_memory`):
+
+* forward: one eval-mode forward under ``torch.no_grad()``;
+* training step: forward in train mode + ``loss.backward()`` of the mean of the
+  output (no optimiser step), gradients reset to ``None`` before each step;
+* peak memory of a training step: on CUDA ``torch.cuda.max_memory_allocated``;
+  on CPU, where torch has no allocator statistics, the peak of live tensor
+  bytes during the step, tracked by a ``TorchDispatchMode`` that registers every
+  tensor storage an aten op creates (forward and backward) and a weak reference
+  that subtracts it when the storage is freed, plus the parameters, buffers and
+  input alive before the step. Memory allocated outside aten ops (kernel
+  workspaces of oneDNN) is not seen. The same method is applied to every
+  candidate.
+"""
+import math
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from mmcv.cnn import build_conv_layer, build_norm_layer
+from mmdet.models.backbones.resnet import BasicBlock
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .models.backbones.mmdet_kcla_resnet import KCLAResNet
+
+#: candidate methods, baseline first; ``none`` is the plain ResNet.
+METHODS: Tuple[str, ...] = ('none', 'MRLALight', 'FullLayerAttention', 'KCLA')
+IMAGENET_DEPTHS: Tuple[int, ...] = (50, 101, 152)
+CIFAR_DEPTHS: Tuple[int, ...] = (20, 56, 110, 254)
+
+
+class CifarKCLAResNet(KCLAResNet):
+    """CIFAR-style ResNet of depth ``6n + 2`` with layer attention.
+
+    A 3x3 stride-1 stem (no max-pooling) and 3 stages of ``n`` BasicBlocks
+    (He et al. 2016, section 4.2); otherwise exactly :class:`KCLAResNet`.
+
+    Args:
+        depth: ``6n + 2`` for ``n >= 1`` (20, 32, 44, 56, 110, 254, ...).
+        base_channels: width of the first stage (16 in the paper).
+        head_dim: channels per head (16: 1, 2 and 4 heads per stage).
+        **kwargs: :class:`KCLAResNet` arguments.
+    """
+
+    arch_settings = {6 * n + 2: (BasicBlock, (n, n, n)) for n in range(1, 201)}
+
+    def __init__(self, depth: int, base_channels: int = 16, head_dim: int = 16,
+                 **kwargs) -> None:
+        kwargs.setdefault('num_stages', 3)
+        kwargs.setdefault('strides', (1, 2, 2))
+        kwargs.setdefault('dilations', (1, 1, 1))
+        kwargs.setdefault('out_indices', (2, ))
+        kwargs.setdefault('norm_eval', False)
+        super().__init__(depth=depth, base_channels=base_channels, head_dim=head_dim,
+                         **kwargs)
+
+    def _make_stem_layer(self, in_channels: int, stem_channels: int) -> None:
+        self.conv1 = build_conv_layer(self.conv_cfg, in_channels, stem_channels, kernel_size=3,
+                                      stride=1, padding=1, bias=False)
+        self.norm1_name, norm1 = build_norm_layer(self.norm_cfg, stem_channels, postfix=1)
+        self.add_module(self.norm1_name, norm1)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.Identity()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backbone to measure.
+
+    Attributes:
+        family: ``imagenet`` or ``cifar``.
+        depth: network depth.
+        method: one of :data:`METHODS`.
+        compiled: run through ``torch.compile``.
+    """
+
+    family: str
+    depth: int
+    method: str
+    compiled: bool = False
+
+    @property
+    def name(self) -> str:
+        prefix = 'ResNet' if self.family == 'imagenet' else 'CIFAR-ResNet'
+        return f'{prefix}-{self.depth} {self.method}{" +compile" if self.compiled else ""}'
+
+    @property
+    def baseline(self) -> 'Candidate':
+        """The plain ResNet of the same depth (and compilation)."""
+        return Candidate(self.family, self.depth, 'none', self.compiled)
+
+
+def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
+                   channels_last: Optional[bool] = None) -> nn.Module:
+    """The backbone of a candidate (random initialisation, BatchNorm in training mode).
+
+    Args:
+        family: ``imagenet`` or ``cifar``.
+        depth: depth of the family.
+        method: one of :data:`METHODS`.
+        tiny: a quarter of the ImageNet widths / half of the CIFAR widths (smoke tests).
+        channels_last: the backbone's ``channels_last`` argument (``None``: its default).
+    """
+    if method not in METHODS:
+        raise ValueError(f'method={method!r}; choose from {METHODS}')
+    layer_attn = None if method == 'none' else dict(type=method)
+    kw: Dict[str, Any] = dict(layer_attn=layer_attn, channels_last=channels_last)
+    if family == 'imagenet':
+        if tiny:
+            kw.update(base_channels=16, head_dim=16)
+        model = KCLAResNet(depth=depth, out_indices=(3, ), norm_eval=False, init_cfg=None, **kw)
+    elif family == 'cifar':
+        if (depth - 2) % 6 or depth < 8:
+            raise ValueError(f'a CIFAR ResNet has depth 6n + 2 (8, 14, 20, ...), got {depth}')
+        if tiny:
+            kw.update(base_channels=8, head_dim=8)
+        model = CifarKCLAResNet(depth=depth, init_cfg=None, **kw)
+    else:
+        raise ValueError(f"family={family!r}; choose 'imagenet' or 'cifar'")
+    if method != 'none':
+        for m in model.layer_attn_modules():
+            m.reset_parameters()
+    return model
+
+
+def num_blocks(model: nn.Module) -> int:
+    """Residual blocks of a backbone."""
+    return sum(len(getattr(model, name)) for name in model.res_layers)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def _loss(out: Any) -> Tensor:
+    return sum(o.float().mean() for o in tree_leaves(out) if isinstance(o, Tensor))
+
+
+def forward_once(model: nn.Module, x: Tensor) -> None:
+    """One eval-mode forward without autograd."""
+    model.eval()
+    with torch.no_grad():
+        model(x)
+
+
+def train_step(model: nn.Module, x: Tensor) -> None:
+    """Forward in train mode and backward of the mean output; gradients reset first."""
+    model.train()
+    for p in model.parameters():
+        p.grad = None
+    _loss(model(x)).backward()
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds taken by ``fn`` (CUDA events on CUDA, ``perf_counter`` on CPU)."""
+    if device.type == 'cuda':
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensor storages created by aten ops while active (CPU).
+
+    Every storage an op outputs is counted once, until a weak reference to it
+    reports that it was freed. Views and in-place results share their
+    storage and are not counted again.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: Dict[int, Tuple[weakref.ref, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _on_free(self, key: int) -> Callable[[Any], None]:
+        def callback(_: Any) -> None:
+            entry = self.live.pop(key, None)
+            if entry is not None:
+                self.current -= entry[1]
+        return callback
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor) or t.device.type == 'meta':
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in self.live:
+                continue
+            n = storage.nbytes()
+            self.live[key] = (weakref.ref(storage, self._on_free(key)), n)
+            self.current += n
+            self.peak = max(self.peak, self.current)
+        return out
+
+
+def _resident_bytes(model: nn.Module, x: Tensor) -> int:
+    """Bytes of the distinct storages of parameters, buffers and the input."""
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()) + [x]:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def peak_train_memory(model: nn.Module, x: Tensor) -> int:
+    """Peak bytes of one training step (see the module docstring for the method)."""
+    device = x.device
+    if device.type == 'cuda':
+        train_step(model, x)  # allocate the gradients once, as in training
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        train_step(model, x)
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device)
+    for p in model.parameters():
+        p.grad = None
+    before = _resident_bytes(model, x)
+    tracker = LiveTensorBytes()
+    model.train()
+    with tracker:
+        _loss(model(x)).backward()
+    for p in model.parameters():
+        p.grad = None
+    return before + tracker.peak
+
+
+def count_flops(model: nn.Module, x: Tensor, elementwise: bool = True) -> int:
+    """FLOPs of one eval-mode forward (:func:`kcla_mm.analysis.flop_analyzer`)."""
+    from .analysis import flop_analyzer
+    model.eval()
+    with torch.no_grad():
+        return int(flop_analyzer(model, (x, ), elementwise=elementwise).total())
+
+
+@dataclass
+class Result:
+    """Measurements of one candidate; times in seconds, one entry per repeat."""
+
+    candidate: Candidate
+    blocks: int
+    params: int
+    flops: Optional[int]
+    memory: Optional[int]
+    forward: List[float] = field(default_factory=list)
+    train: List[float] = field(default_factory=list)
+
+    @property
+    def forward_median(self) -> float:
+        return statistics.median(self.forward) if self.forward else math.nan
+
+    @property
+    def train_median(self) -> float:
+        return statistics.median(self.train) if self.train else math.nan
+
+
+@dataclass
+class Setting:
+    """Input of one family: batch and square image size."""
+
+    batch: int
+    size: int
+
+
+def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
+        settings: Dict[str, Setting], device: torch.device, repeats: int, warmup: int,
+        channels_last: bool = False,
+        count_flops_fn: Optional[Callable[[nn.Module, Tensor], int]] = None,
+        progress: Optional[Callable[[str], None]] = None) -> Dict[Candidate, Result]:
+    """Measure every candidate, interleaved.
+
+    Parameters, FLOPs (batch 1) and peak memory are measured once per
+    candidate. Times: ``warmup + repeats`` rounds; in each round every
+    candidate runs one forward and one training step, in an order rotated by
+    one candidate per round, so that drift (thermal, other load) affects all
+    alike. The first ``warmup`` rounds are discarded.
+
+    Args:
+        candidates: what to measure.
+        models: the (eager or compiled) module of each candidate, on ``device``.
+        settings: per family, the input batch and size.
+        device: where to run.
+        repeats: timed rounds.
+        warmup: untimed rounds before them.
+        channels_last: feed the input in the channels-last memory format.
+        count_flops_fn: counts FLOPs of an eager model on a batch-1 input
+            (default :func:`count_flops`); a compiled candidate gets its eager count.
+        progress: called with a message after each step.
+    """
+    count_flops_fn = count_flops_fn or count_flops
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    def make_input(c: Candidate, batch: Optional[int] = None) -> Tensor:
+        s = settings[c.family]
+        g = torch.Generator().manual_seed(0)
+        x = torch.rand(batch or s.batch, 3, s.size, s.size, generator=g)
+        return x.to(device).contiguous(memory_format=fmt)
+
+    results: Dict[Candidate, Result] = {}
+    flops: Dict[Tuple[str, int, str], int] = {}
+    for c in candidates:
+        model = models[c]
+        eager = getattr(model, '_orig_mod', model)  # torch.compile keeps the module here
+        key = (c.family, c.depth, c.method)
+        if key not in flops:
+            flops[key] = count_flops_fn(eager, make_input(c, 1))
+        memory = None
+        if not c.compiled or device.type == 'cuda':
+            memory = peak_train_memory(model, make_input(c))
+        results[c] = Result(c, num_blocks(eager), sum(p.numel() for p in eager.parameters()),
+                            flops[key], memory)
+        if progress:
+            progress(f'{c.name}: parameters, FLOPs and memory')
+    inputs = {c: make_input(c) for c in candidates}
+    n = len(candidates)
+    for r in range(warmup + repeats):
+        order = [candidates[(i + r) % n] for i in range(n)]
+        for c in order:
+            model, x = models[c], inputs[c]
+            fwd = timed(lambda: forward_once(model, x), device)
+            step = timed(lambda: train_step(model, x), device)
+            for p in model.parameters():
+                p.grad = None
+            if r >= warmup:
+                results[c].forward.append(fwd)
+                results[c].train.append(step)
+        if progress:
+            progress(f'round {r + 1}/{warmup + repeats}' + (' (warm-up)' if r < warmup else ''))
+    return results
+
+
+def _ratio(value: float, base: Optional[float]) -> str:
+    if base is None or not base:
+        return 'n/a'
+    return f'{value / base:.2f}x'
+
+
+def _cell(value: Optional[float], base: Optional[float], fmt: str) -> str:
+    if value is None:
+        return 'n/a'
+    return f'{value:{fmt}} ({_ratio(value, base)})'
+
+
+def markdown_table(results: Dict[Candidate, Result]) -> str:
+    """One row per candidate; every figure with its ratio to the plain ResNet of its depth.
+
+    ``per block`` columns: (time - plain time) / number of blocks, in ms.
+    """
+    header = ('| backbone | method | blocks | params (M) | GFLOPs | forward (ms) | '
+              'train step (ms) | peak train memory (MB) | forward per block (ms) | '
+              'train step per block (ms) |')
+    lines = [header, '|' + ' --- |' * 3 + ' ---: |' * 7]
+    for c, r in results.items():
+        b = results.get(c.baseline)
+
+        def pair(attr: str, scale: float) -> Tuple[Optional[float], Optional[float]]:
+            """``(value, baseline value)`` of a measurement, scaled; ``None`` if missing."""
+            def get(res: Optional[Result]) -> Optional[float]:
+                v = None if res is None else getattr(res, attr)
+                return None if v is None or math.isnan(v) else v * scale
+            return get(r), get(b)
+
+        def per_block(attr: str) -> str:
+            v, bv = pair(attr, 1e3)
+            return 'n/a' if v is None or bv is None else f'{(v - bv) / r.blocks:+.3f}'
+
+        family = 'ResNet' if c.family == 'imagenet' else 'CIFAR-ResNet'
+        cells = [_cell(*pair('params', 1e-6), '.3f'), _cell(*pair('flops', 1e-9), '.3f'),
+                 _cell(*pair('forward_median', 1e3), '.1f'),
+                 _cell(*pair('train_median', 1e3), '.1f'), _cell(*pair('memory', 2**-20), '.1f'),
+                 per_block('forward_median'), per_block('train_median')]
+        lines.append(f'| {family}-{c.depth}{" +compile" if c.compiled else ""} | {c.method} | '
+                     f'{r.blocks} | ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def plot(results: Dict[Candidate, Result], path: str, title: str = '') -> None:
+    """Extra cost over the plain ResNet against depth, one row per family, written as a PNG."""
+    from matplotlib.figure import Figure
+
+    metrics = [('params', 1e-6, 'parameters (M)'), ('flops', 1e-9, 'GFLOPs'),
+               ('forward_median', 1e3, 'forward (ms)'),
+               ('train_median', 1e3, 'train step (ms)'),
+               ('memory', 2**-20, 'peak train memory (MB)')]
+    families = [f for f in ('imagenet', 'cifar') if any(c.family == f for c in results)]
+    fig = Figure(figsize=(3.2 * len(metrics), 2.9 * len(families) + 0.6), dpi=90,
+                 layout='constrained')
+    axes = fig.subplots(len(families), len(metrics), squeeze=False)
+    colours = {'MRLALight': 'tab:green', 'FullLayerAttention': 'tab:blue', 'KCLA': 'tab:red'}
+    for row, family in zip(axes, families):
+        for ax, (attr, scale, label) in zip(row, metrics):
+            for compiled in (False, True):
+                for method in METHODS[1:]:
+                    pts = []
+                    for c, r in results.items():
+                        b = results.get(c.baseline)
+                        if (c.family, c.method, c.compiled) != (family, method, compiled) \
+                                or b is None:
+                            continue
+                        v, bv = getattr(r, attr), getattr(b, attr)
+                        if v is None or bv is None or math.isnan(v) or math.isnan(bv):
+                            continue
+                        pts.append((c.depth, (v - bv) * scale))
+                    if pts:
+                        pts.sort()
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], 'o-' if not compiled
+                                else 's--', ms=3, color=colours[method],
+                                label=method + (' +compile' if compiled else ''))
+            ax.axhline(0, color='0.7', lw=0.8)
+            ax.set_xticks(sorted({c.depth for c in results if c.family == family}))
+            ax.set_xlabel(f'depth ({"ResNet" if family == "imagenet" else "CIFAR ResNet"})',
+                          fontsize=8)
+            ax.set_title(f'extra {label}', fontsize=9)
+            ax.tick_params(labelsize=7)
+        row[0].legend(fontsize=7)
+    fig.suptitle(title + '\nextra cost over the plain ResNet of the same depth '
+                 '(linear in depth: constant cost per block)', fontsize=9)
+    fig.savefig(path)

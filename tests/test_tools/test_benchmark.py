@@ -1,0 +1,86 @@
+"""The layer-attention benchmark: a --quick run end to end, and its measuring pieces."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kcla_mm.benchmark import (CifarKCLAResNet, LiveTensorBytes, build_backbone, num_blocks,
+                               peak_train_memory)
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / 'tools' / 'analysis_tools' / 'benchmark_layer_attention.py'
+METHODS = ['none', 'MRLALight', 'FullLayerAttention', 'KCLA']
+
+
+@pytest.fixture(autouse=True, scope='module')
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine more threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cells(line):
+    return [c.strip() for c in line.strip().strip('|').split('|')]
+
+
+@pytest.mark.slow  # a subprocess: imports mmdet (10-20 s on a shared 2-core machine)
+def test_quick_run_writes_table_and_plot(tmp_path):
+    proc = subprocess.run([sys.executable, str(TOOL), '--quick', '--out-dir', str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (tmp_path / 'benchmark.md').read_text()
+    assert 'CPU threads: 1' in md  # the number of threads is stated
+    rows = [cells(line) for line in md.splitlines() if line.startswith('| ') and 'x)' in line]
+    names = [(r[0], r[1]) for r in rows]
+    expected = [(f'{fam}-{d}', m) for fam, d in [('ResNet', 18), ('CIFAR-ResNet', 8),
+                                                 ('CIFAR-ResNet', 14)] for m in METHODS]
+    assert names == expected  # one row per candidate
+    for r in rows:
+        ratios = [float(x) for x in re.findall(r'\(([\d.]+)x\)', ' | '.join(r[3:8]))]
+        assert len(ratios) == 5  # params, FLOPs, forward, train step, memory
+        if r[1] == 'none':
+            assert ratios == [1.0] * 5 and r[8:] == ['+0.000', '+0.000']
+        else:  # layer attention adds parameters and FLOPs
+            assert ratios[0] > 1 and ratios[1] > 1
+    png = (tmp_path / 'benchmark.png').read_bytes()
+    assert png[:4] == b'\x89PNG' and len(png) > 10000
+    assert (tmp_path / 'benchmark.json').stat().st_size > 0
+
+
+@pytest.mark.parametrize('depth, n', [(8, 1), (20, 3), (56, 9)])
+def test_cifar_resnet_has_6n_plus_2_layers(depth, n):
+    model = CifarKCLAResNet(depth, layer_attn=dict(type='KCLA')).eval()
+    assert [len(getattr(model, s)) for s in model.res_layers] == [n] * 3
+    assert num_blocks(model) == 3 * n
+    out = model(torch.rand(1, 3, 32, 32))
+    assert [tuple(o.shape) for o in out] == [(1, 64, 8, 8)]  # stem keeps 32x32; strides 1, 2, 2
+
+
+def test_cifar_depth_must_be_6n_plus_2():
+    # 6n + 2 only: a depth of 21 has no CIFAR ResNet.
+    with pytest.raises(ValueError, match='6n'):
+        build_backbone('cifar', 21, 'KCLA')
+
+
+def test_live_tensor_bytes_counts_peak_not_total():
+    with LiveTensorBytes() as tracker:
+        for _ in range(3):
+            a = torch.empty(1000, dtype=torch.float32)  # 4000 B, freed by the next iteration
+            del a
+        b = torch.empty(250, dtype=torch.float64)  # 2000 B
+        view = b[10:]  # a view shares its storage: not counted again
+        del view
+    assert tracker.peak == 4000 and tracker.current == 2000
+
+
+def test_peak_train_memory_grows_with_the_saved_history():
+    # FullLayerAttention keeps every value of the stage: more memory than the plain ResNet.
+    x = torch.rand(2, 3, 16, 16)
+    plain = peak_train_memory(build_backbone('cifar', 20, 'none', tiny=True), x)
+    full = peak_train_memory(build_backbone('cifar', 20, 'FullLayerAttention', tiny=True), x)
+    assert full > plain > x.numel() * 4

@@ -1,0 +1,223 @@
+"""Benchmark the cost of layer attention against depth (none, MRLALight, FullLayerAttention, KCLA).
+
+In one process, for each method and depth: parameters, FLOPs (batch 1),
+forward time (eval, no autograd), training-step time (forward + backward of
+the mean output, no optimiser step) and peak memory of a training step.
+Every figure is also given as a ratio to the plain ResNet of the same depth
+measured in the same run; "per block" columns give (time - plain time) /
+number of blocks, where KCLA's cost per block is flat and exact layer
+attention's grows with depth.
+
+Depth families: ResNet-50/101/152 (--depths; batch 4 at 224x224 by default)
+and CIFAR-style ResNets of depth 6n+2 (--cifar-depths 20 56 110 254; 3 stages
+of n BasicBlocks, 16/32/64 channels; batch 16 at 32x32), deep enough for the
+quadratic term of exact layer attention to show.
+
+Method: candidates are interleaved: each of --warmup + --repeats rounds runs
+every candidate once (forward, then a training step), in an order rotated by
+one per round, so drift affects all alike; the warm-up rounds are discarded
+and medians reported. Times: perf_counter on CPU, CUDA events on CUDA (after
+a synchronisation). Peak memory: torch.cuda.max_memory_allocated on CUDA; on
+CPU the peak of live tensor bytes during one training step, tracked by a
+TorchDispatchMode that counts every tensor storage an aten op creates
+(forward and backward) until a weak reference reports it freed, plus the
+parameters, buffers and input (kernel workspaces outside aten ops are not
+seen). Memory of compiled candidates on CPU: n/a (compiled kernels allocate
+outside the dispatcher). FLOPs: mmengine's FlopAnalyzer (one multiply-add =
+1), plus elementwise arithmetic unless --no-elementwise. The number of CPU
+threads is set with --threads and stated in the output.
+
+Outputs in --out-dir: benchmark.md (settings + table), benchmark.json (all
+measurements, every repeat), benchmark.png (extra cost over the plain ResNet
+against depth).
+
+Examples::
+
+    python tools/analysis_tools/benchmark_layer_attention.py            # ~10 min on 2 cores
+    python tools/analysis_tools/benchmark_layer_attention.py --quick    # smoke test, seconds
+    python tools/analysis_tools/benchmark_layer_attention.py --device cuda --batch 32 --compile
+"""
+import argparse
+import json
+import os
+import os.path as osp
+import platform
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
+                               build_backbone, count_flops, markdown_table, plot, run)
+
+QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
+             repeats=1, warmup=0, threads=1)
+FULL = dict(depths=list(IMAGENET_DEPTHS), cifar_depths=list(CIFAR_DEPTHS), batch=4, size=224,
+            cifar_batch=16, cifar_size=32, repeats=5, warmup=1, threads=None)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    doc = __doc__.split('\n\n')
+    parser = argparse.ArgumentParser(
+        description=' '.join(doc[:2]), epilog='\n\n'.join(doc[2:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--methods', nargs='+', default=list(METHODS), choices=METHODS,
+                        help='methods to measure; the plain baseline "none" is always added')
+    parser.add_argument('--depths', type=int, nargs='*', default=None,
+                        help=f'ResNet depths (18, 34, 50, 101, 152; none: skip the family); '
+                        f'default {FULL["depths"]}')
+    parser.add_argument('--cifar-depths', type=int, nargs='*', default=None,
+                        help=f'CIFAR ResNet depths 6n+2 (none: skip the family); default '
+                        f'{FULL["cifar_depths"]}')
+    parser.add_argument('--batch', type=int, default=None,
+                        help=f'ResNet batch size (default {FULL["batch"]})')
+    parser.add_argument('--size', type=int, default=None,
+                        help=f'ResNet input size (default {FULL["size"]})')
+    parser.add_argument('--cifar-batch', type=int, default=None,
+                        help=f'CIFAR ResNet batch size (default {FULL["cifar_batch"]})')
+    parser.add_argument('--cifar-size', type=int, default=None,
+                        help=f'CIFAR ResNet input size (default {FULL["cifar_size"]})')
+    parser.add_argument('--repeats', type=int, default=None,
+                        help=f'timed rounds; medians are reported (default {FULL["repeats"]})')
+    parser.add_argument('--warmup', type=int, default=None,
+                        help=f'untimed rounds first (default {FULL["warmup"]})')
+    parser.add_argument('--threads', type=int, default=None,
+                        help='CPU threads for torch (default: torch\'s current setting; 1 with '
+                        '--quick)')
+    parser.add_argument('--device', default='cpu', help='cpu (default) or cuda[:i]')
+    fmt = parser.add_mutually_exclusive_group()
+    fmt.add_argument('--channels-last', action='store_true',
+                     help='run every candidate (and its input) channels-last')
+    fmt.add_argument('--contiguous', action='store_true',
+                     help='run every candidate in NCHW (default: each backbone\'s own choice, '
+                     'channels-last with layer attention, NCHW without)')
+    parser.add_argument('--compile', action='store_true',
+                        help='also measure every candidate through torch.compile')
+    parser.add_argument('--no-elementwise', action='store_true',
+                        help='FLOPs without elementwise arithmetic (mmengine\'s default count)')
+    parser.add_argument('--quick', action='store_true',
+                        help='tiny widths and sizes for a smoke test: ' + ', '.join(
+                            f'{k}={v}' for k, v in QUICK.items()) + ' (explicit flags win)')
+    parser.add_argument('--out-dir', default='work_dirs/benchmark_layer_attention',
+                        help='folder for benchmark.md, benchmark.json and benchmark.png')
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if 'none' not in args.methods:
+        args.methods = ['none'] + args.methods
+    args.methods = [m for m in METHODS if m in args.methods]
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error('--repeats must be >= 1 and --warmup >= 0')
+    if args.compile and args.warmup < 1:
+        parser.error('--compile needs --warmup >= 1 (the first call compiles)')
+    if not args.depths and not args.cifar_depths:
+        parser.error('nothing to measure: both --depths and --cifar-depths are empty')
+    bad = [d for d in args.depths if d not in (50, 101, 152, 18, 34)]
+    if bad:
+        parser.error(f'--depths {bad}: ResNet depths are 18, 34, 50, 101, 152')
+    bad = [d for d in args.cifar_depths if d < 8 or (d - 2) % 6]
+    if bad:
+        parser.error(f'--cifar-depths {bad}: CIFAR ResNets have depth 6n+2 (8, 14, 20, ...)')
+    return args
+
+
+def cpu_name() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == 'cuda':
+        return f'{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})'
+    return f'CPU {cpu_name()}, {os.cpu_count()} logical cores'
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
+    """Run the benchmark; returns the results per candidate."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise SystemExit('--device cuda: CUDA is not available')
+    channels_last = True if args.channels_last else (False if args.contiguous else None)
+    settings = {'imagenet': Setting(args.batch, args.size),
+                'cifar': Setting(args.cifar_batch, args.cifar_size)}
+    candidates: List[Candidate] = []
+    models = {}
+    torch.manual_seed(0)
+    for family, depths in (('imagenet', args.depths), ('cifar', args.cifar_depths)):
+        for depth in depths:
+            for method in args.methods:
+                model = build_backbone(family, depth, method, tiny=args.quick,
+                                       channels_last=channels_last).to(device)
+                if args.channels_last:
+                    model = model.to(memory_format=torch.channels_last)
+                c = Candidate(family, depth, method)
+                candidates.append(c)
+                models[c] = model
+                if args.compile:
+                    cc = Candidate(family, depth, method, compiled=True)
+                    candidates.append(cc)
+                    models[cc] = torch.compile(model)
+    started = time.time()
+
+    def progress(msg: str) -> None:
+        print(f'[{time.time() - started:6.1f}s] {msg}', flush=True)
+
+    def flops(model: torch.nn.Module, x: torch.Tensor) -> int:
+        return count_flops(model, x, elementwise=not args.no_elementwise)
+
+    fmt = 'channels-last' if args.channels_last else ('NCHW' if args.contiguous else
+                                                      'each backbone\'s default')
+    header = [
+        f'device: {device_description(device)}; torch {torch.__version__}; '
+        f'CPU threads: {torch.get_num_threads()}',
+        f'ResNet: batch {args.batch} at {args.size}x{args.size}; CIFAR ResNet: batch '
+        f'{args.cifar_batch} at {args.cifar_size}x{args.cifar_size}'
+        + ('; tiny widths (--quick)' if args.quick else ''),
+        f'medians of {args.repeats} interleaved rounds after {args.warmup} warm-up; memory '
+        f'format: {fmt}' + ('; torch.compile measured too' if args.compile else ''),
+        'FLOPs per image (batch 1), one multiply-add = 1' + (
+            '' if args.no_elementwise else ', elementwise arithmetic counted'),
+        'peak train memory: ' + ('torch.cuda.max_memory_allocated' if device.type == 'cuda'
+                                 else 'peak live tensor bytes of one training step '
+                                 '(TorchDispatchMode storage tracking) + parameters, buffers '
+                                 'and input'),
+        'per block: (time - plain ResNet time) / blocks, ms; ratios (x) to the plain ResNet '
+        'of the same depth in this run',
+    ]
+    for line in header:
+        print(line)
+    results = run(candidates, models, settings, device, args.repeats, args.warmup,
+                  channels_last=bool(args.channels_last), count_flops_fn=flops,
+                  progress=progress)
+    table = markdown_table(results)
+    print(table)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(osp.join(args.out_dir, 'benchmark.md'), 'w') as f:
+        f.write('\n'.join(f'- {line}' for line in header) + '\n\n' + table + '\n')
+    with open(osp.join(args.out_dir, 'benchmark.json'), 'w') as f:
+        json.dump(dict(header=header, argv=list(sys.argv[1:] if argv is None else argv),
+                       results=[dict(name=c.name, family=c.family, depth=c.depth,
+                                     method=c.method, compiled=c.compiled, blocks=r.blocks,
+                                     params=r.params, flops=r.flops, peak_memory_bytes=r.memory,
+                                     forward_s=r.forward, train_step_s=r.train)
+                                for c, r in results.items()]), f, indent=1)
+    plot(results, osp.join(args.out_dir, 'benchmark.png'),
+         f'{device_description(device)}, CPU threads: {torch.get_num_threads()}')
+    print(f'wrote benchmark.md, benchmark.json and benchmark.png to {args.out_dir}')
+    return results
+
+
+if __name__ == '__main__':
+    main()
