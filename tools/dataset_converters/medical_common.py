@@ -327,10 +327,10 @@ def report(stats: Dict, out: str) -> None:
     counts = ', '.join(f'{s}: {n}' for s, n in stats['counts'].items())
     print(f'wrote {out} ({counts}; skipped: {stats["skipped"]})')
     if 'mean_rgb' in stats:
-        print(f'train RGB mean={stats["mean_rgb"]} std={stats["std_rgb"]} (in {out}/stats.json); '
-              'to normalise with them: --cfg-options '
-              f'model.data_preprocessor.mean="{stats["mean_rgb"]}" '
-              f'model.data_preprocessor.std="{stats["std_rgb"]}"')
+        mean, std = (','.join(str(v) for v in stats[k]) for k in ('mean_rgb', 'std_rgb'))
+        print(f'train RGB mean=[{mean}] std=[{std}] (in {out}/stats.json); to normalise with '
+              f'them: --cfg-options model.data_preprocessor.mean="[{mean}]" '
+              f'model.data_preprocessor.std="[{std}]"')
 
 
 def run(convert_fn, argv: Optional[Sequence[str]] = None) -> int:
