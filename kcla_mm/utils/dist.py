@@ -1,0 +1,70 @@
+"""Distributed training on machines without CUDA, with mmengine 0.10.7.
+
+Two steps of mmengine's ``--launcher pytorch`` path assume GPUs:
+
+- ``mmengine.dist.init_dist`` calls ``torch.cuda.set_device(LOCAL_RANK)``
+  before ``init_process_group``; a CPU build of torch has no CUDA bindings
+  and raises ``AttributeError: module 'torch._C' has no attribute
+  '_cuda_setDevice'``, whatever the backend.
+- ``Runner.wrap_model`` passes ``device_ids=[LOCAL_RANK]`` to
+  ``MMDistributedDataParallel``; DDP refuses ``device_ids`` for a CPU module.
+
+:func:`install_cpu_distributed` (called on ``import kcla_mm``) removes both
+assumptions where no accelerator is available and changes nothing where one
+is. On CPU the backend must be ``gloo`` (``--cfg-options
+env_cfg.dist_cfg.backend=gloo``); NCCL is refused with that hint.
+"""
+import functools
+from typing import Callable
+
+import torch
+
+
+def _no_accelerator() -> bool:
+    from mmengine.device import (is_cuda_available, is_mlu_available, is_musa_available,
+                                 is_npu_available)
+    return not (is_cuda_available() or is_mlu_available() or is_npu_available()
+                or is_musa_available())
+
+
+def _cpu_init_dist_pytorch(original: Callable) -> Callable:
+
+    @functools.wraps(original)
+    def init(backend: str = 'nccl', init_backend: str = 'torch', **kwargs) -> None:
+        if init_backend != 'torch' or not _no_accelerator():
+            return original(backend, init_backend=init_backend, **kwargs)
+        if backend == 'nccl':
+            raise ValueError(
+                "dist_cfg backend='nccl' needs CUDA GPUs and none is available; on CPU use "
+                "gloo: env_cfg=dict(dist_cfg=dict(backend='gloo')) or "
+                '--cfg-options env_cfg.dist_cfg.backend=gloo')
+        torch.distributed.init_process_group(backend=backend, **kwargs)
+
+    init.kcla_mm_cpu = True
+    return init
+
+
+def _cpu_ddp_init(original: Callable) -> Callable:
+
+    @functools.wraps(original)
+    def __init__(self, module: torch.nn.Module, *args, **kwargs) -> None:
+        on_cpu = all(p.device.type == 'cpu' for p in module.parameters())
+        if kwargs.get('device_ids') is not None and on_cpu and _no_accelerator():
+            kwargs['device_ids'] = None  # DDP's rule for CPU modules
+        original(self, module, *args, **kwargs)
+
+    __init__.kcla_mm_cpu = True
+    return __init__
+
+
+def install_cpu_distributed() -> None:
+    """Let ``tools/dist_train.sh`` run on CPU (gloo); idempotent, no-op with GPUs."""
+    try:
+        from mmengine.dist import utils as dist_utils
+        from mmengine.model.wrappers import MMDistributedDataParallel
+    except ImportError:
+        return
+    if not getattr(dist_utils._init_dist_pytorch, 'kcla_mm_cpu', False):
+        dist_utils._init_dist_pytorch = _cpu_init_dist_pytorch(dist_utils._init_dist_pytorch)
+    if not getattr(MMDistributedDataParallel.__init__, 'kcla_mm_cpu', False):
+        MMDistributedDataParallel.__init__ = _cpu_ddp_init(MMDistributedDataParallel.__init__)
