@@ -1,7 +1,8 @@
 """Datasets and synthetic-data generators.
 
 The medical segmentation datasets need mmseg and are imported only when it is
-installed; the generators (``synthetic_medical``) need only numpy and OpenCV.
+installed; the generators (``synthetic_medical``, ``synthetic_coco``) need only numpy
+and OpenCV.
 """
 __all__ = []
 
