@@ -14,3 +14,13 @@ def restore_default_scope():
     yield
     for name in [n for n in DefaultScope._instance_dict if n not in before]:
         del DefaultScope._instance_dict[name]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the 2 cores are shared, and oversubscription costs 10x."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
