@@ -293,7 +293,11 @@ class KCLA(nn.Module):
         keep = self.drop_path.keep_mask(x)
         args = (x, prev, beta, scale, keep, self.wv.weight,
                 getattr(self.norm, 'weight', None), getattr(self.norm, 'bias', None))
-        if self.training and torch.is_grad_enabled() and _recomputable(self.norm):
+        # NOTE: under torch.compile the plain path is traced instead: AOTAutograd's
+        # partitioner makes its own recomputation choices, and dynamo cannot
+        # trace the autograd.grad call inside _RecomputedTail.backward.
+        if (self.training and torch.is_grad_enabled() and _recomputable(self.norm)
+                and not _compiling()):
             out, mean = _RecomputedTail.apply(self, *args)
         else:
             out, mean = self.tail(*args)
@@ -302,6 +306,11 @@ class KCLA(nn.Module):
     def extra_repr(self) -> str:
         return (f'channels={self.channels}, heads={self.num_heads}, head_dim={self.head_dim}, '
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, 'compiler', None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 def _recomputable(norm: nn.Module) -> bool:

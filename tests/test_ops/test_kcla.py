@@ -328,3 +328,32 @@ def test_channels_last_gives_the_same_values():
     assert outs[1][-1].is_contiguous(memory_format=torch.channels_last)
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_matches_eager():
+    # no graph breaks (fullgraph=True), same values and gradients as eager;
+    # aot_eager traces exactly what inductor would get, without its C++ build
+    torch.manual_seed(0)
+    net = make_network((16, 32), (2, 2), head_dim=8)
+    xs = [x.float() for x in block_inputs((16, 32), (2, 2))]
+
+    def run(inputs):
+        state, out = None, 0
+        for layer, x in zip(net, inputs):
+            o, state = layer(x, state)
+            out = out + o.square().mean()
+        return out
+
+    compiled = torch.compile(run, fullgraph=True, backend='aot_eager')
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(xs), run(xs), rtol=1e-5, atol=1e-6)
+    net.train()
+    grads = []
+    for fn in (run, compiled):
+        inputs = [x.clone().requires_grad_() for x in xs]
+        fn(inputs).backward()
+        grads.append([x.grad for x in inputs])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
