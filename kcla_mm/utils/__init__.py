@@ -1,1 +1,1 @@
-"""Utilities: safe checkpoint loading."""
+"""Utilities: safe loading and atomic saving of checkpoints, shape checks, CPU distributed."""

@@ -35,7 +35,7 @@ import stat
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -259,3 +259,51 @@ def install_atomic_save() -> None:
         return
     if not getattr(LocalBackend.put, 'kcla_mm_atomic', False):
         LocalBackend.put = _atomic_put(LocalBackend.put)
+
+
+class CheckpointShapeError(ValueError):
+    """Tensors of a checkpoint have other shapes than the model's."""
+
+
+def shape_mismatches(model: torch.nn.Module,
+                     state_dict: Mapping[str, Any]) -> List[Tuple[str, tuple, tuple]]:
+    """``(key, checkpoint shape, model shape)`` for every tensor that would not load.
+
+    Keys are compared after removing a DDP ``module.`` prefix, as mmengine does.
+    """
+    own = model.state_dict()
+    out = []
+    for key, value in state_dict.items():
+        key = re.sub(r'^module\.', '', key)
+        if key in own and hasattr(value, 'shape') and tuple(value.shape) != tuple(own[key].shape):
+            out.append((key, tuple(value.shape), tuple(own[key].shape)))
+    return out
+
+
+def check_checkpoint_shapes(model: torch.nn.Module, checkpoint: Mapping[str, Any],
+                            name: str = 'the checkpoint', limit: int = 20) -> None:
+    """Raise if any tensor of ``checkpoint`` does not fit ``model``.
+
+    mmengine only logs a warning for such tensors and keeps the model's own
+    (random) values: right for fine-tuning with a new head (``load_from``),
+    wrong when resuming or evaluating, where every tensor must load.
+
+    Args:
+        model: the model (unwrapped).
+        checkpoint: an mmengine checkpoint (``{'state_dict': ...}``) or a state dict.
+        name: how to call the checkpoint in the message.
+        limit: at most this many keys are listed.
+
+    Raises:
+        CheckpointShapeError: lists each mismatched key with both shapes.
+    """
+    state_dict = checkpoint.get('state_dict', checkpoint)
+    bad = shape_mismatches(model, state_dict)
+    if not bad:
+        return
+    lines = [f'  {k}: checkpoint {list(a)}, model {list(b)}' for k, a, b in bad[:limit]]
+    if len(bad) > limit:
+        lines.append(f'  ... and {len(bad) - limit} more')
+    raise CheckpointShapeError(
+        f'{name} does not fit the model: {len(bad)} tensors have other shapes '
+        '(was it trained with another config?):\n' + '\n'.join(lines))
