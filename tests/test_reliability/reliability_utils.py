@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-SEG_BASE = osp.join(ROOT, 'configs/unet/unet_kcla-r18-tiny_1xb8-600i_synthetic-kvasir-128x128.py')
+SEG_BASE = osp.join(ROOT, 'configs/unet/unet_kcla-r18-tiny_1xb8-300i_synthetic-kvasir-128x128.py')
 DET_BASE = osp.join(ROOT, 'configs/kcla/demo/faster-rcnn_kcla-r18_fpn_synthetic.py')
 TRAIN = osp.join(ROOT, 'tools/train.py')
 TEST = osp.join(ROOT, 'tools/test.py')
