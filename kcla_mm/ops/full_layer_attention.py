@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
-                      check_input, eca_conv, pooled_qk, value_conv)
+                      check_input, eca_conv, per_channel, pooled_qk, value_conv)
 
 
 class FullLayerAttentionState(NamedTuple):
@@ -99,13 +99,12 @@ class FullLayerAttention(nn.Module):
         if len(state.values) == 1:  # one block: softmax weight 1
             return state.values[0]
         attn = self.attention(q, state.keys)  # [B, G, T]
-        b, c, h, w = state.values[0].shape
         agg = None
         for t, v in enumerate(state.values):
-            a = attn[:, :, t, None, None, None].to(v.dtype)  # [B, G, 1, 1, 1]
-            term = a * v.view(b, self.num_heads, self.head_dim, h, w)
-            agg = term if agg is None else agg + term
-        return agg.view(b, c, h, w)
+            # per-channel broadcast, no [B, G, d, H, W] view: keeps any memory format
+            a = per_channel(attn[:, :, t], self.head_dim, v.dtype)  # [B, C, 1, 1]
+            agg = a * v if agg is None else torch.addcmul(agg, a, v)
+        return agg
 
     def forward(self, x: Tensor, state: Optional[FullLayerAttentionState] = None
                 ) -> Tuple[Tensor, FullLayerAttentionState]:

@@ -88,12 +88,7 @@ def normalised(raw: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize('size', [(33, 47), (1, 1), (2, 65), (31, 1)])
 @pytest.mark.parametrize('method', METHODS)
 @pytest.mark.parametrize('cls', HOSTS)
-def test_sizes_that_are_no_multiple_of_32_work(cls, method, size, request):
-    if method == 'FullLayerAttention' and any(h == 1 < w for h, w in expected_sizes(*size)):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=RuntimeError,
-            reason='FullLayerAttention.aggregate .view()s a channels-last sum: fails where a '
-            'stage is 1 pixel high and wider (reported in issue 8)'))
+def test_sizes_that_are_no_multiple_of_32_work(cls, method, size):
     model = tiny(cls, method).eval()
     outs = model(normalised(torch.rand(2, 3, *size) * 255))
     assert [tuple(o.shape[2:]) for o in outs] == expected_sizes(*size)
