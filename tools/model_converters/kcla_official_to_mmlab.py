@@ -10,13 +10,13 @@ Example:
         resnet50_kcla.pth.tar checkpoints/kcla_r50_imagenet.pth
 """
 import argparse
+import io
 import os
 import sys
-import tempfile
 
 import torch
 
-from kcla_mm.utils.checkpoint import TRUST_ENV, safe_load
+from kcla_mm.utils.checkpoint import TRUST_ENV, atomic_write_bytes, safe_load
 from kcla_mm.utils.official_checkpoint import (NotAnOfficialCheckpoint, convert_official_state_dict,
                                                extract_state_dict)
 
@@ -60,15 +60,9 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
     meta = {'converted_from': os.path.basename(args.src),
             'epoch': obj.get('epoch') if isinstance(obj, dict) else None}
-    # write atomically: a crash never leaves a half-written DST
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.dst)), suffix='.tmp')
-    os.close(fd)
-    try:
-        torch.save({'state_dict': state_dict, 'meta': meta}, tmp)
-        os.replace(tmp, args.dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    buf = io.BytesIO()
+    torch.save({'state_dict': state_dict, 'meta': meta}, buf)
+    atomic_write_bytes(buf.getvalue(), args.dst)  # a crash never leaves a half-written DST
     print(f'wrote {args.dst}')
     return 0
 
