@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import yaml
 from mmengine.config import Config
 from mmengine.registry import DefaultScope
 from mmseg.registry import DATASETS, METRICS, MODELS
@@ -131,3 +132,14 @@ def test_model_builds_and_predicts_full_resolution(path):
     with torch.no_grad():
         out = model(torch.rand(1, 3, 64, 64), mode='tensor')
     assert out.shape == (1, model.decode_head.out_channels, 64, 64)
+
+
+def test_metafile_lists_every_config():
+    with open(osp.join(ROOT, 'configs', 'unet', 'metafile.yml')) as f:
+        meta = yaml.safe_load(f)
+    listed = sorted(osp.join(ROOT, m['Config']) for m in meta['Models'])
+    assert listed == CONFIGS
+    for model in meta['Models']:
+        assert model['Name'] == osp.splitext(osp.basename(model['Config']))[0]
+        # Numbers only where they were measured here (the synthetic demo).
+        assert ('Results' in model) == ('synthetic' in model['Name'])
