@@ -121,7 +121,9 @@ def read_split_file(path: str) -> Dict[str, str]:
             if len(fields) != 2 or fields[1] not in SPLITS:
                 raise ConversionError(f'{path}:{lineno}: expected "NAME SPLIT" with SPLIT one '
                                       f'of {SPLITS}, got {line!r}')
-            name = osp.splitext(osp.basename(fields[0]))[0]
+            name, ext = osp.splitext(osp.basename(fields[0]))
+            if ext.lower() not in IMAGE_EXTS:  # a name with a dot, not a file name
+                name = osp.basename(fields[0])
             if name in assignment and assignment[name] != fields[1]:
                 raise ConversionError(f'{path}:{lineno}: {name} is listed in both '
                                       f'{assignment[name]} and {fields[1]}')
