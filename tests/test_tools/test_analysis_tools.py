@@ -221,3 +221,18 @@ def test_help_explains_the_tool(name, words, capsys):
     text = capsys.readouterr().out
     for w in words:
         assert w in text
+
+
+def test_swapped_method_takes_only_the_resnet_part(tmp_path):
+    # Another method's layer-attention weights mean nothing here, even where names match.
+    kcla = build(backbone_config(tmp_path))
+    with torch.no_grad():
+        for p in kcla.parameters():
+            p.add_(1.0)
+    torch.save(kcla.state_dict(), tmp_path / 'kcla.pth')
+    mrla = build(backbone_config(tmp_path, 'MRLALight'))
+    before = mrla.state_dict()['layer1_attn.1.wk.weight'].clone()
+    tool('_common').load_backbone_checkpoint(mrla, str(tmp_path / 'kcla.pth'), strict=False)
+    after = mrla.state_dict()
+    assert torch.equal(after['layer1.0.conv1.weight'], kcla.state_dict()['layer1.0.conv1.weight'])
+    assert torch.equal(after['layer1_attn.1.wk.weight'], before)

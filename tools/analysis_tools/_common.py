@@ -183,9 +183,10 @@ def load_backbone_checkpoint(backbone: nn.Module, path: str, config: str = '',
         backbone: the built backbone.
         path: checkpoint file.
         config: the config's path, for the error message.
-        strict: every key and shape must match (else: load the tensors whose key
-            and shape match, e.g. the ResNet part into a backbone with another
-            layer-attention method).
+        strict: every key and shape must match. Else load only the ResNet part
+            (keys outside ``layer{s}_attn``) where names and shapes match: for a
+            backbone with another layer-attention method, whose attention
+            modules keep their initialisation.
         trust: allow types outside the safe allow-list.
 
     Returns:
@@ -205,12 +206,12 @@ def load_backbone_checkpoint(backbone: nn.Module, path: str, config: str = '',
     if strict:
         backbone.load_state_dict(sd, strict=True)
         return f'loaded {len(sd)} tensors from {path} ({source})'
-    matching = {k: v for k, v in sd.items()
-                if k in model_sd and tuple(v.shape) == tuple(model_sd[k].shape)}
+    matching = {k: v for k, v in sd.items() if '_attn.' not in k and k in model_sd
+                and tuple(v.shape) == tuple(model_sd[k].shape)}
     backbone.load_state_dict(matching, strict=False)
     left = len(model_sd) - len(matching)
-    return (f'loaded {len(matching)} matching tensors from {path} ({source}); '
-            f'{left} tensors of this backbone keep their initialisation')
+    return (f'loaded the {len(matching)} matching ResNet tensors from {path} ({source}); '
+            f'{left} tensors (the layer attention) keep their initialisation')
 
 
 def normalisation(cfg: Config) -> Tuple[np.ndarray, np.ndarray, bool]:
