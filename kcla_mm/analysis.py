@@ -643,7 +643,9 @@ def plot_key_correlation(matrix: np.ndarray, blocks: Sequence[BlockInfo], path: 
     """Heatmap of the key cosine matrix with stage boundaries, written as a PNG."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5.2, 4.6), dpi=100)
+    n = len(blocks)
+    side = min(max(4.6, 0.18 * n + 2.5), 12.0)
+    fig = Figure(figsize=(side + 1.2, side), dpi=100, layout='constrained')
     ax = fig.add_subplot()
     im = ax.imshow(matrix, cmap='RdBu_r', vmin=-1, vmax=1, interpolation='nearest')
     for e in _stage_edges(blocks):
@@ -653,8 +655,7 @@ def plot_key_correlation(matrix: np.ndarray, blocks: Sequence[BlockInfo], path: 
     ax.set_xlabel('block s')
     ax.set_ylabel('block t')
     fig.colorbar(im, ax=ax, label='mean cosine similarity of keys')
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
+    ax.set_title(title, fontsize=7)
     fig.savefig(path)
 
 

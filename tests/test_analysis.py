@@ -286,3 +286,16 @@ def test_plots_are_written(tmp_path):
     for p in (path, path2):
         data = p.read_bytes()
         assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000
+
+
+def test_kcla_renorm_inside_a_long_stage_starts_a_new_segment():
+    # ResNet-101's stage 3 re-normalises at block 11 too (renorm_blocks=(0, 11)).
+    model = tiny('KCLA', depth=101)
+    result = A.layer_weights(model, images(1, size=32))
+    names = [b.name for b in result.blocks]
+    r = names.index('layer3.11')
+    np.testing.assert_allclose(result.matrix.sum(1), 1.0, atol=1e-9)
+    # From layer3.11 on, everything before it arrives through the new pseudo-layer.
+    np.testing.assert_allclose(result.through_pseudo[r:names.index('layer4.0')],
+                               result.matrix[r:names.index('layer4.0'), :r].sum(1), atol=1e-9)
+    assert result.through_pseudo[r - 1] < result.matrix[r - 1, :r - 1].sum()
