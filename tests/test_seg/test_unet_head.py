@@ -26,8 +26,7 @@ def tiny_head(**kwargs) -> UNetHead:
 @pytest.mark.parametrize('size', [(64, 64), (64, 96), (72, 40)])
 @pytest.mark.parametrize('out_channels', [1, 2])
 def test_full_resolution_on_kcla_resnet_features(size, out_channels):
-    backbone = KCLAResNetSeg(**TINY)
-    backbone.eval()  # mmseg ResNet.train() returns None: no chaining
+    backbone = KCLAResNetSeg(**TINY).eval()
     head = tiny_head(out_channels=out_channels, threshold=0.5 if out_channels == 1 else None)
     x = torch.rand(2, 3, *size)
     with torch.no_grad():
