@@ -146,8 +146,8 @@ def test_gradcheck(train):
         out1, st = init(x1, st)
         return out0.sum() + out1, st.mean, st.log_z
 
-    x0 = torch.rand(2, 4, 4, 4, dtype=torch.float64, requires_grad=True)
-    x1 = torch.rand(2, 8, 2, 2, dtype=torch.float64, requires_grad=True)
+    x0 = torch.rand(2, 4, 2, 2, dtype=torch.float64, requires_grad=True)
+    x1 = torch.rand(2, 8, 1, 1, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(f, (x0, x1), eps=1e-6, atol=1e-5)
 
 
