@@ -55,7 +55,8 @@ class KCLAResNetMixin:
         head_dim: channels per head; default 64 for Bottleneck depths and 16
             for BasicBlock depths (whose first stage has only 64 channels).
         channels_last: run the whole backbone in the channels-last memory
-            format (outputs too). Default ``None``: on when layer attention is
+            format (the outputs are returned NCHW-contiguous, as the host's
+            necks and heads expect). Default ``None``: on when layer attention is
             used, whose depthwise value convolution is many times slower in
             NCHW on CPU; converting only around it would make BatchNorm and the
             element-wise state update slow instead. Values are unchanged.
@@ -214,7 +215,10 @@ class KCLAResNetMixin:
                 x = block(x)
                 x, state = self._attend(attn, x, state)
             if i in self.out_indices:
-                outs.append(x)
+                # NOTE: outputs leave NCHW-contiguous: mmcv's RoIAlign reads its
+                # input as NCHW and silently returns scrambled features for a
+                # channels-last tensor (Faster/Mask R-CNN then cannot learn).
+                outs.append(x.contiguous())
         return tuple(outs)
 
     def layer_attn_modules(self) -> Sequence[nn.Module]:
