@@ -206,7 +206,8 @@ class KCLAResNetMixin:
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         if self.layer_attn_cfg is None:
-            return super().forward(x)
+            outs = super().forward(x)
+            return tuple(o.contiguous() for o in outs) if self.channels_last else outs
         x = self._stem(x)
         state = None
         outs = []
