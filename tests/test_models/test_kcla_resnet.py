@@ -226,3 +226,12 @@ def test_randomized_norms_do_not_break_eval_fold():
         kmod.fold_norm = orig
     for u, v in zip(a, b):
         torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('method', list(METHODS) + [None])
+@pytest.mark.parametrize('channels_last', [None, True, False])
+def test_outputs_are_nchw_contiguous(method, channels_last):
+    # mmcv's RoIAlign reads its input as NCHW without checking: channels-last
+    # features would silently give scrambled RoI features
+    model = tiny(depth=18, method=method, channels_last=channels_last).eval()
+    assert all(o.is_contiguous() for o in model(torch.rand(1, 3, 32, 32)))
