@@ -2,12 +2,16 @@
 
 For demos and end-to-end tests without COCO: every image shows one to a few
 solid-coloured shapes (circle, square, triangle; 20-60 px by default) on a
-plain background with mild noise, easy enough for a small detector to learn in
-a few CPU minutes. The files are laid out like COCO2017, so mmdet's
-``CocoDataset`` and ``CocoMetric`` and pycocotools read them unchanged::
+plain greyish background with mild noise, easy enough for a small detector to
+learn in a few CPU minutes: by default each class has its own hue (red
+circles, blue squares, green triangles, each colour jittered), so that the
+classifier can learn from colour before it learns shape; with
+``class_colours=False`` every shape has a random colour (a harder task). The
+files are laid out like COCO2017, so mmdet's ``CocoDataset`` and
+``CocoMetric`` and pycocotools read them unchanged::
 
     OUT/train2017/000000000001.jpg ...
-    OUT/val2017/000000001001.jpg ...
+    OUT/val2017/000001000001.jpg ...
     OUT/annotations/instances_train2017.json
     OUT/annotations/instances_val2017.json
 
@@ -33,7 +37,7 @@ import numpy as np
 
 #: category names; category ids are 1, 2, 3 in this order.
 CLASSES: Tuple[str, ...] = ('circle', 'square', 'triangle')
-#: RGB colours for visualisation, one per class.
+#: RGB colours, one per class: the shapes' base colours and the visualisation palette.
 PALETTE: Tuple[Tuple[int, int, int], ...] = ((220, 20, 60), (0, 128, 255), (0, 200, 80))
 #: ``metainfo`` for mmdet's ``CocoDataset``.
 METAINFO: Dict[str, tuple] = dict(classes=CLASSES, palette=PALETTE)
@@ -87,11 +91,22 @@ def _overlaps(box: np.ndarray, boxes: List[np.ndarray], gap: float) -> bool:
     return False
 
 
-def _colour_far_from(rng: np.random.Generator, reference: np.ndarray,
-                     min_distance: float) -> np.ndarray:
-    """A random saturated RGB colour at least ``min_distance`` (L2) from ``reference``."""
+#: per-channel jitter of the class colours
+COLOUR_JITTER = 30
+
+
+def _colour_far_from(rng: np.random.Generator, reference: np.ndarray, min_distance: float,
+                     base: Optional[Sequence[int]] = None) -> np.ndarray:
+    """An RGB colour at least ``min_distance`` (L2) from ``reference``.
+
+    Random, or ``base`` jittered by up to :data:`COLOUR_JITTER` per channel.
+    """
     for _ in range(100):
-        colour = rng.uniform(0, 255, 3)
+        if base is None:
+            colour = rng.uniform(0, 255, 3)
+        else:
+            colour = np.clip(np.asarray(base) + rng.uniform(-COLOUR_JITTER, COLOUR_JITTER, 3),
+                             0, 255)
         if np.linalg.norm(colour - reference) >= min_distance:
             return colour
     return 255 - reference
@@ -102,7 +117,8 @@ def synthetic_image(rng: np.random.Generator,
                     min_object: int = 20,
                     max_object: int = 60,
                     max_objects: int = 3,
-                    noise: float = 8.0) -> Tuple[np.ndarray, List[dict]]:
+                    noise: float = 8.0,
+                    class_colours: bool = True) -> Tuple[np.ndarray, List[dict]]:
     """One image and its objects.
 
     Args:
@@ -113,12 +129,15 @@ def synthetic_image(rng: np.random.Generator,
         max_objects: at most this many shapes (at least one); fewer when they
             do not fit without overlapping.
         noise: standard deviation of the Gaussian pixel noise.
+        class_colours: colour each shape near its class colour in
+            :data:`PALETTE`; otherwise in a random colour.
 
     Returns:
         ``([size, size, 3] uint8 RGB image, objects)``; each object is
         ``dict(label=class index, polygon=[P, 2] vertices, box=[x1, y1, x2, y2])``.
     """
-    background = rng.uniform(60, 200, 3)
+    # Low saturation, so that every class colour stands out.
+    background = rng.uniform(90, 170) + rng.uniform(-15, 15, 3)
     # A faint linear illumination gradient so the background is not constant.
     ramp = np.linspace(-1, 1, size, dtype=np.float32)
     direction = rng.uniform(-12, 12, 2)
@@ -140,7 +159,8 @@ def synthetic_image(rng: np.random.Generator,
         box = np.concatenate([polygon.min(0), polygon.max(0)])
         if _overlaps(box, boxes, gap=2):
             continue
-        colour = _colour_far_from(rng, background, min_distance=120)
+        colour = _colour_far_from(rng, background, min_distance=100,
+                                  base=PALETTE[label] if class_colours else None)
         fixed = np.round(polygon * 2**_SUBPIXEL_SHIFT).astype(np.int32)
         cv2.fillPoly(img, [fixed], colour.tolist(), lineType=cv2.LINE_8, shift=_SUBPIXEL_SHIFT)
         objects.append(dict(label=label, polygon=polygon, box=box))
@@ -170,6 +190,7 @@ def generate(out: str,
              max_object: int = 60,
              max_objects: int = 3,
              noise: float = 8.0,
+             class_colours: bool = True,
              jpeg_quality: int = 95) -> Dict[str, str]:
     """Write the dataset.
 
@@ -183,6 +204,7 @@ def generate(out: str,
         max_object: largest shape size in pixels.
         max_objects: at most this many shapes per image.
         noise: standard deviation of the pixel noise.
+        class_colours: colour shapes by class (see :func:`synthetic_image`).
         jpeg_quality: JPEG quality (OpenCV scale, 0-100).
 
     Returns:
@@ -211,7 +233,8 @@ def generate(out: str,
         images, annotations = [], []
         for index in range(num):
             rng = np.random.default_rng([seed, split_index, index])
-            img, objects = synthetic_image(rng, size, min_object, max_object, max_objects, noise)
+            img, objects = synthetic_image(rng, size, min_object, max_object, max_objects, noise,
+                                           class_colours)
             image_id = split_index * ID_STRIDE + index + 1
             file_name = f'{image_id:012d}.jpg'
             path = osp.join(out, split, file_name)
@@ -242,6 +265,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--max-object', type=int, default=60, help='largest shape (px)')
     parser.add_argument('--max-objects', type=int, default=3, help='shapes per image, at most')
     parser.add_argument('--noise', type=float, default=8.0, help='pixel noise std')
+    parser.add_argument('--random-colours', action='store_true',
+                        help='random shape colours instead of one hue per class (harder)')
     return parser.parse_args(argv)
 
 
@@ -250,7 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     written = generate(args.out, num_train=args.num_train, num_val=args.num_val,
                        size=args.size, seed=args.seed, min_object=args.min_object,
                        max_object=args.max_object, max_objects=args.max_objects,
-                       noise=args.noise)
+                       noise=args.noise, class_colours=not args.random_colours)
     print(f'wrote synthetic COCO data to {args.out}: {args.num_train} train, {args.num_val} val '
           f'images ({", ".join(written.values())})')
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from pycocotools.coco import COCO
 
-from kcla_mm.datasets.synthetic_coco import CLASSES, METAINFO, SPLITS, generate, main
+from kcla_mm.datasets.synthetic_coco import (CLASSES, COLOUR_JITTER, METAINFO, PALETTE, SPLITS,
+                                             generate, main)
 
 SIZE = 96
 KW = dict(num_train=6, num_val=3, size=SIZE, seed=0, min_object=16, max_object=40)
@@ -90,6 +91,28 @@ def test_pixels_show_the_annotated_shapes(dataset, cocos):
                 assert inner.any()
                 assert img[inner].std(0).max() < 20, 'a shape is one colour (plus noise)'
                 assert np.linalg.norm(img[inner].mean(0) - background) > 30
+
+
+def shape_colours(root: str):
+    """``[(label, mean RGB colour inside the shape)]`` of the validation images."""
+    (img_dir, ann_file) = split_dirs(root)[1]
+    coco = COCO(ann_file)
+    out = []
+    for ann in coco.anns.values():
+        img = cv2.imread(osp.join(img_dir, coco.imgs[ann['image_id']]['file_name']))
+        inner = cv2.erode(coco.annToMask(ann), np.ones((5, 5), np.uint8)).astype(bool)
+        out.append((ann['category_id'] - 1, img[inner][:, ::-1].mean(0)))
+    return out
+
+
+def test_class_colours(dataset, tmp_path):
+    # Default: each shape has its class colour, jittered (plus noise and JPEG).
+    for label, colour in shape_colours(dataset):
+        assert np.abs(colour - PALETTE[label]).max() <= COLOUR_JITTER + 10
+    # class_colours=False: random colours, unrelated to the class.
+    generate(str(tmp_path), **dict(KW, num_val=8, class_colours=False))
+    assert max(np.abs(colour - PALETTE[label]).max()
+               for label, colour in shape_colours(str(tmp_path))) > COLOUR_JITTER + 10
 
 
 def test_images_are_real_jpegs(dataset):
