@@ -1,6 +1,6 @@
 # Demo: Faster R-CNN with a small KCLA-ResNet-18 trained from scratch on the
 # synthetic shapes dataset (kcla_mm/datasets/synthetic_coco.py) in a few CPU
-# minutes. See configs/kcla/README.md for the command and the measured numbers.
+# minutes. See configs/kcla/demo/README.md for the command and the measured numbers.
 _base_ = 'mmdet::faster_rcnn/faster-rcnn_r50_fpn_1x_coco.py'
 
 custom_imports = dict(imports=['kcla_mm'], allow_failed_imports=False)
