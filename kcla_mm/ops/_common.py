@@ -140,7 +140,8 @@ class DropPath(nn.Module):
         return f'p={self.p}'
 
 
-def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor) -> Optional[Tensor]:
+def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor, weight: Optional[Tensor] = None,
+              bias: Optional[Tensor] = None) -> Optional[Tensor]:
     """``norm(v * scale)`` as one per-sample, per-channel affine when possible.
 
     In eval mode a BatchNorm is an affine map per channel, so a per-sample
@@ -152,16 +153,21 @@ def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor) -> Optional[Tensor]:
     Args:
         v: ``[B, C, H, W]``.
         scale: ``[B, C, 1, 1]``.
+        weight, bias: the affine parameters to use instead of ``norm``'s own
+            (the recomputation in a backward pass passes detached copies).
     """
     if (norm.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm)
             or norm.running_mean is None):
         return None
     acc = compute_dtype(v.dtype)
     inv_std = torch.rsqrt(norm.running_var.to(acc) + norm.eps)  # [C]
-    weight = norm.weight.to(acc) * inv_std if norm.affine else inv_std
+    if norm.affine:
+        weight = norm.weight if weight is None else weight
+        bias = norm.bias if bias is None else bias
+    weight = weight.to(acc) * inv_std if norm.affine else inv_std
     shift = -norm.running_mean.to(acc) * weight
     if norm.affine:
-        shift = shift + norm.bias.to(acc)
+        shift = shift + bias.to(acc)
     a = scale.to(acc) * weight[None, :, None, None]  # [B, C, 1, 1]
     return torch.addcmul(shift[None, :, None, None].to(v.dtype), v, a.to(v.dtype))
 

@@ -257,7 +257,7 @@ class KCLA(nn.Module):
         """
         mean = x if prev is None else torch.lerp(prev, x, beta)
         v = F.conv2d(mean, wv_weight, padding=1, groups=self.channels)  # [B, C, H, W]
-        o = fold_norm(self.norm, v, scale)  # eval-mode BatchNorm: one pass
+        o = fold_norm(self.norm, v, scale, norm_weight, norm_bias)  # eval-mode BN: one pass
         if o is None:
             v = v * scale.to(v.dtype)
             if recompute:

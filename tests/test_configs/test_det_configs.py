@@ -190,11 +190,6 @@ def reduced(path: str) -> Config:
 
 R50 = osp.join(ROOT, 'configs', 'kcla', 'faster-rcnn_kcla-r50_fpn_1x_coco.py')
 MASK_DEMO = osp.join(ROOT, 'configs', 'kcla', 'demo', 'mask-rcnn_kcla-r18_fpn_synthetic.py')
-# NOTE: known bug, reported: with norm_eval=True (all COCO configs) KCLA's
-# recomputed tail folds the eval-mode BatchNorm with the module's own weight
-# and bias instead of the Function's inputs, so they get no gradient.
-NORM_EVAL_BUG = pytest.mark.xfail(
-    strict=True, reason='KCLA norm weight/bias get no gradient when the norm is in eval mode')
 
 
 def train_step(path: str, with_masks: bool):
@@ -231,7 +226,7 @@ def test_forward_loss_and_predict(path, with_masks):
 
 
 @pytest.mark.parametrize('path, with_masks', [
-    pytest.param(R50, False, marks=NORM_EVAL_BUG),  # norm_eval=True, frozen_stages=1
+    (R50, False),  # norm_eval=True, frozen_stages=1: the recomputed tail folds an eval BN
     (MASK_DEMO, True),  # norm_eval=False
 ], ids=['faster-rcnn_kcla-r50-reduced', 'mask-rcnn_kcla-r18-demo'])
 def test_every_trainable_layer_attention_parameter_learns(path, with_masks):

@@ -357,3 +357,22 @@ def test_torch_compile_fullgraph_matches_eager():
         grads.append([x.grad for x in inputs])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_eval_mode_norm_parameters_learn_in_the_recomputed_tail(monkeypatch):
+    # norm_eval=True keeps the BN in eval mode while the layer trains: its
+    # weight and bias must still get the gradients of the plain path
+    torch.manual_seed(0)
+    net = make_network((16, ), (3, ), head_dim=8).double().train()
+    for layer in net:
+        layer.norm.eval()
+    init = {k: v.clone() for k, v in net.state_dict().items()}
+    grads = []
+    for recompute in (False, True):
+        net.load_state_dict(init)
+        net.zero_grad()
+        xs = [x.requires_grad_() for x in block_inputs((16, ), (3, ))]
+        grads.append(_train_step(net, xs, recompute, monkeypatch)[0])
+    assert grads[1].keys() == grads[0].keys() and '0.norm.weight' in grads[1]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
