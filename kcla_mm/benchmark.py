@@ -294,15 +294,17 @@ class Setting:
 def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         settings: Dict[str, Setting], device: torch.device, repeats: int, warmup: int,
         channels_last: bool = False,
-        count_flops_fn: Optional[Callable[[nn.Module, Tensor], int]] = None,
+        count_flops_fn: Optional[Callable[[nn.Module, Tensor], Optional[int]]] = None,
         progress: Optional[Callable[[str], None]] = None) -> Dict[Candidate, Result]:
     """Measure every candidate, interleaved.
 
     Parameters, FLOPs (batch 1) and peak memory are measured once per
-    candidate. Times: ``warmup + repeats`` rounds; in each round every
-    candidate runs one forward and one training step, in an order rotated by
-    one candidate per round, so that drift (thermal, other load) affects all
-    alike. The first ``warmup`` rounds are discarded.
+    candidate; on CPU the memory-tracked training step (see
+    :func:`peak_train_memory`) is the candidate's first warm-up training step
+    when there is a warm-up. Times: ``warmup + repeats`` rounds; in each round
+    every candidate runs one forward and one training step, in an order
+    rotated by one candidate per round, so that drift (thermal, other load)
+    affects all alike. The first ``warmup`` rounds are discarded.
 
     Args:
         candidates: what to measure.
@@ -312,8 +314,9 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         repeats: timed rounds.
         warmup: untimed rounds before them.
         channels_last: feed the input in the channels-last memory format.
-        count_flops_fn: counts FLOPs of an eager model on a batch-1 input
-            (default :func:`count_flops`); a compiled candidate gets its eager count.
+        count_flops_fn: counts FLOPs of an eager model on a batch-1 input, or
+            returns ``None`` to skip (default :func:`count_flops`); a compiled
+            candidate gets its eager count.
         progress: called with a message after each step.
     """
     count_flops_fn = count_flops_fn or count_flops
@@ -326,7 +329,8 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         return x.to(device).contiguous(memory_format=fmt)
 
     results: Dict[Candidate, Result] = {}
-    flops: Dict[Tuple[str, int, str], int] = {}
+    flops: Dict[Tuple[str, int, str], Optional[int]] = {}
+    memory_in_warmup = warmup > 0 and device.type == 'cpu'
     for c in candidates:
         model = models[c]
         eager = getattr(model, '_orig_mod', model)  # torch.compile keeps the module here
@@ -334,12 +338,12 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         if key not in flops:
             flops[key] = count_flops_fn(eager, make_input(c, 1))
         memory = None
-        if not c.compiled or device.type == 'cuda':
+        if not memory_in_warmup and (not c.compiled or device.type == 'cuda'):
             memory = peak_train_memory(model, make_input(c))
         results[c] = Result(c, num_blocks(eager), sum(p.numel() for p in eager.parameters()),
                             flops[key], memory)
         if progress:
-            progress(f'{c.name}: parameters, FLOPs and memory')
+            progress(f'{c.name}: parameters, FLOPs' + ('' if memory_in_warmup else ' and memory'))
     inputs = {c: make_input(c) for c in candidates}
     n = len(candidates)
     for r in range(warmup + repeats):
@@ -347,6 +351,9 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         for c in order:
             model, x = models[c], inputs[c]
             fwd = timed(lambda: forward_once(model, x), device)
+            if r == 0 and memory_in_warmup and not c.compiled:
+                results[c].memory = peak_train_memory(model, x)  # the warm-up training step
+                continue
             step = timed(lambda: train_step(model, x), device)
             for p in model.parameters():
                 p.grad = None

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kcla_mm.benchmark import (CifarKCLAResNet, LiveTensorBytes, build_backbone, num_blocks,
-                               peak_train_memory)
+from kcla_mm.benchmark import (Candidate, CifarKCLAResNet, LiveTensorBytes, Setting, build_backbone,
+                               markdown_table, num_blocks, peak_train_memory, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'analysis_tools' / 'benchmark_layer_attention.py'
@@ -84,3 +84,21 @@ def test_peak_train_memory_grows_with_the_saved_history():
     plain = peak_train_memory(build_backbone('cifar', 20, 'none', tiny=True), x)
     full = peak_train_memory(build_backbone('cifar', 20, 'FullLayerAttention', tiny=True), x)
     assert full > plain > x.numel() * 4
+
+
+def test_run_interleaves_and_measures_memory_in_the_warmup():
+    cands = [Candidate('cifar', 8, m) for m in ('none', 'KCLA')]
+    models = {c: build_backbone(c.family, c.depth, c.method, tiny=True) for c in cands}
+    settings = {'cifar': Setting(2, 16)}
+    seen = []
+    results = run(cands, models, settings, torch.device('cpu'), repeats=2, warmup=1,
+                  count_flops_fn=lambda m, x: seen.append(tuple(x.shape)) or 123,
+                  progress=seen.append)
+    assert [len(results[c].forward) for c in cands] == [2, 2]  # warm-up discarded
+    assert [len(results[c].train) for c in cands] == [2, 2]
+    assert seen[0] == (1, 3, 16, 16) and results[cands[1]].flops == 123  # FLOPs at batch 1
+    x = torch.rand(2, 3, 16, 16)
+    for c in cands:  # the warm-up step's memory is that of a separate tracked step
+        assert results[c].memory == peak_train_memory(models[c], x)
+    table = markdown_table(results)
+    assert table.count('\n') == 3 and '(1.00x)' in table.splitlines()[2]

@@ -60,10 +60,12 @@ FULL = dict(depths=list(IMAGENET_DEPTHS), cifar_depths=list(CIFAR_DEPTHS), batch
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     doc = __doc__.split('\n\n')
     parser = argparse.ArgumentParser(
-        description=' '.join(doc[:2]), epilog='\n\n'.join(doc[2:]),
+        description='\n\n'.join(doc[:2]), epilog='\n\n'.join(doc[2:]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--methods', nargs='+', default=list(METHODS), choices=METHODS,
-                        help='methods to measure; the plain baseline "none" is always added')
+                        metavar='METHOD',
+                        help=f'methods to measure, any of {", ".join(METHODS)}; the plain '
+                        'baseline "none" is always added')
     parser.add_argument('--depths', type=int, nargs='*', default=None,
                         help=f'ResNet depths (18, 34, 50, 101, 152; none: skip the family); '
                         f'default {FULL["depths"]}')
@@ -96,6 +98,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help='also measure every candidate through torch.compile')
     parser.add_argument('--no-elementwise', action='store_true',
                         help='FLOPs without elementwise arithmetic (mmengine\'s default count)')
+    parser.add_argument('--no-flops', action='store_true',
+                        help='skip counting FLOPs (tracing deep networks takes a while)')
     parser.add_argument('--quick', action='store_true',
                         help='tiny widths and sizes for a smoke test: ' + ', '.join(
                             f'{k}={v}' for k, v in QUICK.items()) + ' (explicit flags win)')
@@ -174,7 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     def progress(msg: str) -> None:
         print(f'[{time.time() - started:6.1f}s] {msg}', flush=True)
 
-    def flops(model: torch.nn.Module, x: torch.Tensor) -> int:
+    def flops(model: torch.nn.Module, x: torch.Tensor) -> Optional[int]:
+        if args.no_flops:
+            return None
         return count_flops(model, x, elementwise=not args.no_elementwise)
 
     fmt = 'channels-last' if args.channels_last else ('NCHW' if args.contiguous else
@@ -187,6 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         + ('; tiny widths (--quick)' if args.quick else ''),
         f'medians of {args.repeats} interleaved rounds after {args.warmup} warm-up; memory '
         f'format: {fmt}' + ('; torch.compile measured too' if args.compile else ''),
+        'FLOPs: not counted (--no-flops)' if args.no_flops else
         'FLOPs per image (batch 1), one multiply-add = 1' + (
             '' if args.no_elementwise else ', elementwise arithmetic counted'),
         'peak train memory: ' + ('torch.cuda.max_memory_allocated' if device.type == 'cuda'

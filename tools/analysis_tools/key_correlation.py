@@ -45,7 +45,7 @@ from kcla_mm.analysis import (backbone_method, collect_keys, correlation_summary
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0] + '. Writes key_correlation.{png,csv,json} '
+        description=__doc__.split('\n\n')[0] + ' Writes key_correlation.{png,csv,json} '
         'to --out-dir and prints a summary line.',
         epilog=__doc__[__doc__.index('The cosine'):],
         formatter_class=argparse.RawDescriptionHelpFormatter)

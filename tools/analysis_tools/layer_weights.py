@@ -17,10 +17,10 @@ of block s enters the aggregate that block t attends to, averaged over images:
   decays exponentially with t - s, whereas KCLA's weights do not.
 
 The config's own method is analysed with CHECKPOINT. The other methods are
-built from the same config with ``layer_attn`` swapped, loading the tensors of
-CHECKPOINT whose names and shapes match (the ResNet part; their layer-attention
-modules keep their initialisation), unless ``--compare`` gives them their own
-config and checkpoint.
+built from the same config with ``layer_attn`` swapped and only the ResNet part
+of CHECKPOINT loaded (their layer-attention modules keep their
+initialisation), unless ``--compare`` gives them their own config and
+checkpoint.
 
 Writes to --out-dir: ``layer_weights.png`` (the methods side by side, plus the
 weights at the last block of the longest stage on a log axis),
@@ -60,11 +60,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
     parser.add_argument(
-        '--compare', nargs='+', action='append', default=[], metavar='CONFIG [CHECKPOINT]',
-        help='another config (and checkpoint) whose method replaces the swapped-in one; '
-        'repeat for each method')
+        '--compare', nargs='+', action='append', default=[], metavar='PATH',
+        help='CONFIG [CHECKPOINT] of another method, used instead of swapping that method '
+        'into CONFIG; repeat for each method')
     parser.add_argument('--methods', nargs='+', default=list(METHODS), choices=METHODS,
-                        help='methods to show, in this order (default: all three)')
+                        metavar='METHOD',
+                        help=f'methods to show, in this order: any of {", ".join(METHODS)} '
+                        '(default: all three)')
     add_image_args(parser)
     args = parser.parse_args(argv)
     for c in args.compare:
