@@ -192,13 +192,21 @@ class LiveTensorBytes(TorchDispatchMode):
     Every storage an op outputs is counted once, until a weak reference to it
     reports that it was freed. Views and in-place results share their
     storage and are not counted again.
+
+    Args:
+        resident: tensors whose storages exist before tracking starts
+            (parameters, buffers, the input) and are accounted for separately:
+            never counted, also where an op returns a view of one (``detach``
+            of a parameter, as saved-tensor hooks and checkpointing do).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, resident: Sequence[Tensor] = ()) -> None:
         super().__init__()
         self.live: Dict[int, Tuple[weakref.ref, int]] = {}
         self.current = 0
         self.peak = 0
+        self._resident = [t.untyped_storage() for t in resident]  # strong: ids stay valid
+        self._resident_ids = {id(s) for s in self._resident}
 
     def _on_free(self, key: int) -> Callable[[Any], None]:
         def callback(_: Any) -> None:
@@ -214,7 +222,7 @@ class LiveTensorBytes(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             key = id(storage)
-            if key in self.live:
+            if key in self.live or key in self._resident_ids:
                 continue
             n = storage.nbytes()
             self.live[key] = (weakref.ref(storage, self._on_free(key)), n)
@@ -245,7 +253,7 @@ def peak_train_memory(model: nn.Module, x: Tensor) -> int:
     for p in model.parameters():
         p.grad = None
     before = _resident_bytes(model, x)
-    tracker = LiveTensorBytes()
+    tracker = LiveTensorBytes(list(model.parameters()) + list(model.buffers()) + [x])
     model.train()
     with tracker:
         _loss(model(x)).backward()

@@ -78,6 +78,18 @@ def test_live_tensor_bytes_counts_peak_not_total():
     assert tracker.peak == 4000 and tracker.current == 2000
 
 
+def test_live_tensor_bytes_never_counts_resident_storages():
+    # a parameter seen again as the output of a view op (detach, as saved-tensor
+    # hooks produce) is already counted in the resident bytes
+    w = torch.empty(1000)
+    with LiveTensorBytes([w]) as tracker:
+        kept = [w.detach(), torch.empty(10)]
+    assert tracker.peak == tracker.current == 40
+    with LiveTensorBytes() as control:
+        kept.append(w.detach())
+    assert control.current == 4000 and len(kept) == 3
+
+
 def test_peak_train_memory_grows_with_the_saved_history():
     # FullLayerAttention keeps every value of the stage: more memory than the plain ResNet.
     x = torch.rand(2, 3, 16, 16)
