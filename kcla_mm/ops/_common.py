@@ -141,7 +141,7 @@ class DropPath(nn.Module):
 
 
 def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor, weight: Optional[Tensor] = None,
-              bias: Optional[Tensor] = None) -> Optional[Tensor]:
+              bias: Optional[Tensor] = None, inplace: bool = False) -> Optional[Tensor]:
     """``norm(v * scale)`` as one per-sample, per-channel affine when possible.
 
     In eval mode a BatchNorm is an affine map per channel, so a per-sample
@@ -169,7 +169,10 @@ def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor, weight: Optional[Tensor
     if norm.affine:
         shift = shift + bias.to(acc)
     a = scale.to(acc) * weight[None, :, None, None]  # [B, C, 1, 1]
-    return torch.addcmul(shift[None, :, None, None].to(v.dtype), v, a.to(v.dtype))
+    shift = shift[None, :, None, None].to(v.dtype)
+    if inplace:
+        return torch.addcmul(shift, v, a.to(v.dtype), out=v)
+    return torch.addcmul(shift, v, a.to(v.dtype))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ with ``state=None`` for the very first block of the network. A layer built with
 incoming state, adapting its width and resolution, and re-keys it as a single
 pseudo-layer.
 """
+import contextlib
 import math
+import weakref
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -257,9 +259,14 @@ class KCLA(nn.Module):
         """
         mean = x if prev is None else torch.lerp(prev, x, beta)
         v = F.conv2d(mean, wv_weight, padding=1, groups=self.channels)  # [B, C, H, W]
-        o = fold_norm(self.norm, v, scale, norm_weight, norm_bias)  # eval-mode BN: one pass
+        # eval-mode BN: one pass, in place when nothing differentiates through it
+        o = fold_norm(self.norm, v, scale, norm_weight, norm_bias,
+                      inplace=not (torch.is_grad_enabled() and v.requires_grad))
         if o is None:
-            v = v * scale.to(v.dtype)
+            if torch.is_grad_enabled() and v.requires_grad:
+                v = v * scale.to(v.dtype)
+            else:
+                v.mul_(scale.to(v.dtype))
             if recompute:
                 o = F.batch_norm(v, None, None, norm_weight, norm_bias, True, 0.0,
                                  self.norm.eps)
@@ -308,6 +315,11 @@ class KCLA(nn.Module):
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
 
 
+#: use the hand-derived backward of the recomputed tail where it applies
+#: (tests switch it off to check the autograd replay that autocast uses).
+ANALYTIC_BACKWARD = True
+
+
 def _compiling() -> bool:
     compiler = getattr(torch, 'compiler', None)
     return bool(compiler is not None and compiler.is_compiling())
@@ -324,6 +336,19 @@ def _autocast_state(device_type: str):
     if device_type == 'cuda':
         return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
     return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+
+
+def _like(grad: Optional[Tensor], t: Tensor) -> Optional[Tensor]:
+    """``grad`` in the memory format of ``t`` (a copy only where they differ).
+
+    Some backward kernels (the depthwise convolution's on small maps) return
+    NCHW gradients for channels-last inputs; passed on, they make every later
+    element-wise op of the backward pass mix layouts and run several times slower.
+    """
+    if (grad is not None and t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+            and not t.is_contiguous()):
+        return grad.contiguous(memory_format=torch.channels_last)
+    return grad
 
 
 class _RecomputedTail(torch.autograd.Function):
@@ -344,22 +369,188 @@ class _RecomputedTail(torch.autograd.Function):
         ctx.layer = layer
         ctx.device_type = args[0].device.type
         ctx.autocast = _autocast_state(ctx.device_type)
+        # the hand-derived backward (one recomputation, no autograd graph, few
+        # temporaries); under autocast the dtype of every op would have to be
+        # replayed, so there the recomputation goes through autograd instead
+        ctx.analytic = (ANALYTIC_BACKWARD and not ctx.autocast[0]
+                        and args[0].dtype in (torch.float32, torch.float64))
+        ctx.bn_training = layer.norm.training
         ctx.save_for_backward(*args)
         with torch.no_grad():
             return layer.tail(*args)
 
     @staticmethod
     def backward(ctx, grad_out, grad_mean):
-        inputs = [None if t is None else t.detach().requires_grad_(t.requires_grad)
-                  for t in ctx.saved_tensors]
-        enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
-            out, mean = ctx.layer.tail(*inputs, recompute=True)
+        if ctx.analytic:
+            return (None, ) + _analytic_backward(ctx, grad_out, grad_mean)
+        inputs, out, mean = _recomputed(ctx)
+        ctx.kcla_recomputed = None  # the graph of the recomputation is used once
         outs, grads = [out], [grad_out]
         if grad_mean is not None and mean.requires_grad:
             outs.append(mean)
             grads.append(grad_mean)
         differentiable = [t for t in inputs if t is not None and t.requires_grad]
         got = iter(torch.autograd.grad(outs, differentiable, grads, allow_unused=True))
-        return (None, ) + tuple(next(got) if t is not None and t.requires_grad else None
-                                for t in inputs)
+        return (None, ) + tuple(_like(next(got), t) if t is not None and t.requires_grad
+                                else None for t in inputs)
+
+
+def _recomputed(ctx) -> Tuple[list, Tensor, Tensor]:
+    """``(inputs, out, mean)`` of a :class:`_RecomputedTail` node, recomputed with a graph.
+
+    Computed once per backward pass: the first caller (the unpacking of a saved
+    copy of ``out``, see :func:`saved_output_hooks`, or the node's own
+    backward) computes, the node's backward releases it.
+    """
+    cached = getattr(ctx, 'kcla_recomputed', None)
+    if cached is not None:
+        return cached
+    inputs = [None if t is None else t.detach().requires_grad_(t.requires_grad)
+              for t in ctx.saved_tensors]
+    enabled, dtype = ctx.autocast
+    with torch.enable_grad(), torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled):
+        out, mean = ctx.layer.tail(*inputs, recompute=True)
+    ctx.kcla_recomputed = (inputs, out, mean)
+    return ctx.kcla_recomputed
+
+
+class _SavedOutput:
+    """Stands for a saved copy of a :class:`_RecomputedTail` output (see below)."""
+
+    __slots__ = ('node', )
+
+    def __init__(self, node) -> None:
+        self.node = node
+
+
+def _unpack(saved):
+    if isinstance(saved, _SavedOutput):
+        ctx = saved.node
+        if ctx.analytic:
+            return _parts(ctx).output()
+        return _recomputed(ctx)[1].detach()
+    return saved
+
+
+class _TailParts:
+    """The feature maps of a recomputed KCLA tail (no autograd graph).
+
+    ``mean`` (the new state), ``v = Wv(mean)``, ``s = v * scale`` (the norm's
+    input), ``o = norm(s)`` and the norm's saved statistics.
+    """
+
+    __slots__ = ('inputs', 'mean', 'v', 's', 'o', 'save_mean', 'save_invstd')
+
+    def __init__(self, ctx) -> None:
+        layer = ctx.layer
+        x, prev, beta, scale, keep, wv_weight, weight, bias = self.inputs = ctx.saved_tensors
+        norm = layer.norm
+        with torch.no_grad():
+            self.mean = x if prev is None else torch.lerp(prev, x, beta)
+            self.v = F.conv2d(self.mean, wv_weight, padding=1, groups=layer.channels)
+            self.s = self.v * scale
+            if ctx.bn_training:  # the batch statistics of the forward pass
+                self.o, self.save_mean, self.save_invstd = torch.ops.aten.native_batch_norm(
+                    self.s, weight, bias, None, None, True, 0.0, norm.eps)
+            else:
+                self.o, self.save_mean, self.save_invstd = torch.ops.aten.native_batch_norm(
+                    self.s, weight, bias, norm.running_mean, norm.running_var, False, 0.0,
+                    norm.eps)
+
+    def output(self) -> Tensor:
+        """``x + keep * relu(o)``, the forward output (recomputed, not kept)."""
+        x, keep = self.inputs[0], self.inputs[4]
+        with torch.no_grad():
+            r = F.relu(self.o)
+            if keep is not None:
+                r.mul_(keep)
+            return r.add_(x)
+
+
+def _parts(ctx) -> _TailParts:
+    parts = getattr(ctx, 'kcla_parts', None)
+    if parts is None:
+        parts = ctx.kcla_parts = _TailParts(ctx)
+    return parts
+
+
+def _sum_hw(t: Tensor) -> Tensor:
+    return t.sum((2, 3), keepdim=True)
+
+
+def _analytic_backward(ctx, gy: Tensor, gmean: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """Gradients of :meth:`KCLA.tail` for the inputs of :class:`_RecomputedTail`.
+
+    ``mean = lerp(prev, x, beta)``, ``v = Wv * mean``, ``s = v scale``,
+    ``o = BN(s)``, ``y = x + keep relu(o)``; every temporary is released (or
+    reused in place) as soon as it is consumed.
+    """
+    p = _parts(ctx)
+    ctx.kcla_parts = None
+    x, prev, beta, scale, keep, wv_weight, weight, bias = p.inputs
+    norm = ctx.layer.norm
+    needs = ctx.needs_input_grad[1:]  # (x, prev, beta, scale, keep, wv_weight, weight, bias)
+    gy = _like(gy, x)
+    g = gy * keep if keep is not None else gy
+    g = torch.ops.aten.threshold_backward(g, p.o, 0)  # d relu
+    p.o = None
+    train = ctx.bn_training
+    gs, gw, gb = torch.ops.aten.native_batch_norm_backward(
+        g, p.s, weight, None if train else norm.running_mean,
+        None if train else norm.running_var, p.save_mean, p.save_invstd, train, norm.eps,
+        [True, needs[6], needs[7]])
+    del g
+    p.s = None
+    gscale = _sum_hw(p.v.mul_(gs)) if needs[3] else None  # d(v scale)/d scale
+    p.v = None
+    gv = gs.mul_(scale)
+    gm, gwv, _ = torch.ops.aten.convolution_backward(
+        gv, p.mean, wv_weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], ctx.layer.channels,
+        [True, needs[5], False])
+    del gv
+    if gmean is not None:
+        gm.add_(_like(gmean, x))
+    if prev is None:  # mean = x
+        return (gm.add_(gy), None, None, gscale, None, gwv, gw, gb)
+    gbeta = _sum_hw(torch.sub(x, prev).mul_(gm)) if needs[2] else None
+    gx = torch.addcmul(gy, gm, beta) if needs[0] else None
+    gprev = gm.mul_(1 - beta) if needs[1] else None
+    return (gx, gprev, gbeta, gscale, None, gwv, gw, gb)
+
+
+def saved_output_hooks(y: Tensor):
+    """Context for the module that consumes ``y``, the output of a KCLA step.
+
+    The next block of a backbone saves its input ``y`` for its own backward pass
+    (``conv1``, the downsample). When ``y`` comes from the recomputed training
+    path, those saved copies are replaced by a reference to the KCLA node, and
+    the backward pass recomputes ``y`` from the node's inputs (which stay saved
+    anyway); the node's own backward then reuses that recomputation, so nothing
+    is computed twice. Saves one feature map per block (the values and the
+    gradients are those of plain autograd).
+
+    Returns a null context where this does not apply: ``y`` is not such an
+    output (eval mode, another operator, ``torch.compile``) or other
+    saved-tensor hooks are active (activation checkpointing, CPU offloading:
+    an inner hook would hide their packing from them).
+    """
+    node = y.grad_fn
+    if not isinstance(node, _RecomputedTail._backward_cls) or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
+    if top is not None and top(False) is not None:
+        return contextlib.nullcontext()
+
+    # weak references only: autograd keeps the hooks with every tensor they
+    # pack, so a strong reference to y or its node here would keep y alive
+    y_ref, node_ref, version = weakref.ref(y), weakref.ref(node), y._version
+
+    def pack(t: Tensor):
+        if t is y_ref() and t._version == version:
+            return _SavedOutput(node_ref())
+        # autograd re-attaches the graph on unpacking; the tensor itself would
+        # make a reference cycle (an op's saved output -> its node -> the
+        # output) that is never freed
+        return t.detach()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)

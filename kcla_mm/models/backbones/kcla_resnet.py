@@ -7,6 +7,7 @@ layer-attention module per block (``layer{s}_attn.{i}``), threads the
 operator state through all stages and keeps the host's semantics of
 ``out_indices``, ``frozen_stages``, ``norm_eval`` and ``with_cp``.
 """
+from contextlib import nullcontext
 from types import MappingProxyType
 from typing import Mapping, Optional, Sequence, Tuple
 
@@ -15,7 +16,7 @@ import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from torch import Tensor, nn
 
-from ...ops import BlockPosition, build_layer_attn
+from ...ops import BlockPosition, build_layer_attn, saved_output_hooks
 
 DEFAULT_LAYER_ATTN: Mapping = MappingProxyType({'type': 'KCLA'})
 
@@ -40,6 +41,31 @@ def _check_finite(x: Tensor, name: str) -> None:
         f'{name} input x of shape {tuple(x.shape)} holds {int(bad.sum())} non-finite values '
         f'({"/".join(kinds)}) in batch samples {samples}; the features would be NaN. Check '
         'these images and the data preprocessor (mean/std)')
+
+
+class _ToNCHW(torch.autograd.Function):
+    """``x.contiguous()`` whose backward returns the gradient channels-last.
+
+    The heads send NCHW gradients back; handed on as they are, every
+    element-wise op of the backward pass would mix them with the channels-last
+    tensors saved in the forward pass and run several times slower.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous(memory_format=torch.channels_last)
+
+
+def _to_nchw(x: Tensor) -> Tensor:
+    if x.is_contiguous():  # nothing to convert (e.g. a 1x1 map)
+        return x
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ToNCHW.apply(x)
+    return x.contiguous()
 
 
 class KCLAResNetMixin:
@@ -207,19 +233,22 @@ class KCLAResNetMixin:
             x = x.contiguous(memory_format=torch.channels_last)
         if self.layer_attn_cfg is None:
             outs = super().forward(x)
-            return tuple(o.contiguous() for o in outs) if self.channels_last else outs
+            return tuple(_to_nchw(o) for o in outs) if self.channels_last else outs
         x = self._stem(x)
         state = None
         outs = []
         for i, name in enumerate(self.res_layers):
             for block, attn in zip(getattr(self, name), getattr(self, f'{name}_attn')):
-                x = block(x)
+                # the block's saved copies of x (a KCLA output) are recomputed
+                # in the backward pass instead of kept (no-op where inapplicable)
+                with saved_output_hooks(x) if not self.with_cp else nullcontext():
+                    x = block(x)
                 x, state = self._attend(attn, x, state)
             if i in self.out_indices:
                 # NOTE: outputs leave NCHW-contiguous: mmcv's RoIAlign reads its
                 # input as NCHW and silently returns scrambled features for a
                 # channels-last tensor (Faster/Mask R-CNN then cannot learn).
-                outs.append(x.contiguous())
+                outs.append(_to_nchw(x) if self.channels_last else x.contiguous())
         return tuple(outs)
 
     def layer_attn_modules(self) -> Sequence[nn.Module]:
