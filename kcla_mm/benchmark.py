@@ -303,16 +303,20 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         settings: Dict[str, Setting], device: torch.device, repeats: int, warmup: int,
         channels_last: bool = False,
         count_flops_fn: Optional[Callable[[nn.Module, Tensor], Optional[int]]] = None,
-        progress: Optional[Callable[[str], None]] = None) -> Dict[Candidate, Result]:
+        progress: Optional[Callable[[str], None]] = None,
+        inner: int = 1) -> Dict[Candidate, Result]:
     """Measure every candidate, interleaved.
 
     Parameters, FLOPs (batch 1) and peak memory are measured once per
     candidate; on CPU the memory-tracked training step (see
     :func:`peak_train_memory`) is the candidate's first warm-up training step
     when there is a warm-up. Times: ``warmup + repeats`` rounds; in each round
-    every candidate runs one forward and one training step, in an order
-    rotated by one candidate per round, so that drift (thermal, other load)
-    affects all alike. The first ``warmup`` rounds are discarded.
+    every candidate runs ``inner`` forwards back to back, then ``inner``
+    training steps, and the round's figure is the fastest of each (the
+    steady state, after the previous candidate's caches and allocator state
+    are gone); the order is rotated by one candidate per round, so that
+    drift (thermal, other load) affects all alike. The first ``warmup``
+    rounds are discarded; the reported figure is the median over rounds.
 
     Args:
         candidates: what to measure.
@@ -326,7 +330,10 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
             returns ``None`` to skip (default :func:`count_flops`); a compiled
             candidate gets its eager count.
         progress: called with a message after each step.
+        inner: back-to-back runs per candidate and round (>= 1).
     """
+    if inner < 1:
+        raise ValueError(f'inner must be >= 1, got inner={inner!r}')
     count_flops_fn = count_flops_fn or count_flops
     fmt = torch.channels_last if channels_last else torch.contiguous_format
 
@@ -358,11 +365,11 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         order = [candidates[(i + r) % n] for i in range(n)]
         for c in order:
             model, x = models[c], inputs[c]
-            fwd = timed(lambda: forward_once(model, x), device)
+            fwd = min(timed(lambda: forward_once(model, x), device) for _ in range(inner))
             if r == 0 and memory_in_warmup and not c.compiled:
                 results[c].memory = peak_train_memory(model, x)  # the warm-up training step
                 continue
-            step = timed(lambda: train_step(model, x), device)
+            step = min(timed(lambda: train_step(model, x), device) for _ in range(inner))
             for p in model.parameters():
                 p.grad = None
             if r >= warmup:

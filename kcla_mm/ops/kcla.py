@@ -534,8 +534,10 @@ def saved_output_hooks(y: Tensor):
     saved-tensor hooks are active (activation checkpointing, CPU offloading:
     an inner hook would hide their packing from them).
     """
+    if _compiling() or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
     node = y.grad_fn
-    if not isinstance(node, _RecomputedTail._backward_cls) or not torch.is_grad_enabled():
+    if not isinstance(node, _RecomputedTail._backward_cls):
         return contextlib.nullcontext()
     top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
     if top is not None and top(False) is not None:

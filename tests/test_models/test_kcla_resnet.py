@@ -333,3 +333,21 @@ def test_gradients_return_to_the_backbone_channels_last():
     y.backward(torch.rand(2, 8, 5, 5))
     assert x.grad.is_contiguous(memory_format=torch.channels_last)
     assert _to_nchw(y) is y
+
+
+@pytest.mark.slow
+def test_backbone_compiles_without_graph_breaks_in_training():
+    # the training-only paths (recomputed tail, saved-input hooks) step aside
+    # under torch.compile: fullgraph tracing works and gives the eager gradients
+    torch.manual_seed(0)
+    model = tiny(depth=18, channels_last=True, norm_eval=False).double().train()
+    x = torch.rand(2, 3, 32, 32, dtype=torch.float64)
+    ref = _grads(model, x)
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend='aot_eager')
+    got = _grads(compiled, x)
+    for a, b in zip(ref[0], got[0]):
+        torch.testing.assert_close(b, a)
+    for n in ref[2]:
+        name = '_orig_mod.' + n  # torch.compile's wrapper prefixes the names
+        torch.testing.assert_close(got[2][name], ref[2][n], msg=n)

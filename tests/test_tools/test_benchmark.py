@@ -114,3 +114,18 @@ def test_run_interleaves_and_measures_memory_in_the_warmup():
         assert results[c].memory == peak_train_memory(models[c], x)
     table = markdown_table(results)
     assert table.count('\n') == 3 and '(1.00x)' in table.splitlines()[2]
+
+
+def test_run_keeps_the_fastest_of_the_inner_runs(monkeypatch):
+    # each round times --inner back-to-back runs and keeps the fastest
+    import kcla_mm.benchmark as bmod
+    cands = [Candidate('cifar', 8, 'none')]
+    models = {c: build_backbone(c.family, c.depth, c.method, tiny=True) for c in cands}
+    fake = iter([5.0, 3.0, 4.0, 9.0, 7.0, 8.0] * 2)
+    monkeypatch.setattr(bmod, 'timed', lambda fn, device: next(fake))
+    results = run(cands, models, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=2,
+                  warmup=0, count_flops_fn=lambda m, x: None, inner=3)
+    assert results[cands[0]].forward == [3.0, 3.0] and results[cands[0]].train == [7.0, 7.0]
+    with pytest.raises(ValueError, match='inner=0'):
+        run(cands, models, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=1,
+            warmup=0, count_flops_fn=lambda m, x: None, inner=0)

@@ -14,9 +14,11 @@ of n BasicBlocks, 16/32/64 channels; batch 16 at 32x32), deep enough for the
 quadratic term of exact layer attention to show.
 
 Method: candidates are interleaved: each of --warmup + --repeats rounds runs
-every candidate once (forward, then a training step), in an order rotated by
-one per round, so drift affects all alike; the warm-up rounds are discarded
-and medians reported. Times: perf_counter on CPU, CUDA events on CUDA (after
+every candidate (--inner forwards back to back, then --inner training steps,
+keeping the fastest of each: the steady state, after the previous
+candidate's caches and allocator state are gone), in an order rotated by one
+per round, so drift affects all alike; the warm-up rounds are discarded and
+medians over rounds reported. Times: perf_counter on CPU, CUDA events on CUDA (after
 a synchronisation). Peak memory: torch.cuda.max_memory_allocated on CUDA; on
 CPU the peak of live tensor bytes during one training step, tracked by a
 TorchDispatchMode that counts every tensor storage an aten op creates
@@ -52,9 +54,9 @@ from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate
                                build_backbone, count_flops, markdown_table, plot, run)
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
-             repeats=1, warmup=0, threads=1)
+             repeats=1, warmup=0, threads=1, inner=1)
 FULL = dict(depths=list(IMAGENET_DEPTHS), cifar_depths=list(CIFAR_DEPTHS), batch=4, size=224,
-            cifar_batch=16, cifar_size=32, repeats=5, warmup=1, threads=None)
+            cifar_batch=16, cifar_size=32, repeats=5, warmup=1, threads=None, inner=3)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -84,6 +86,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help=f'timed rounds; medians are reported (default {FULL["repeats"]})')
     parser.add_argument('--warmup', type=int, default=None,
                         help=f'untimed rounds first (default {FULL["warmup"]})')
+    parser.add_argument('--inner', type=int, default=None,
+                        help='back-to-back runs of a candidate per round; the round keeps the '
+                        f'fastest (default {FULL["inner"]})')
     parser.add_argument('--threads', type=int, default=None,
                         help='CPU threads for torch (default: torch\'s current setting; 1 with '
                         '--quick)')
@@ -113,8 +118,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if 'none' not in args.methods:
         args.methods = ['none'] + args.methods
     args.methods = [m for m in METHODS if m in args.methods]
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error('--repeats must be >= 1 and --warmup >= 0')
+    if args.repeats < 1 or args.warmup < 0 or args.inner < 1:
+        parser.error('--repeats and --inner must be >= 1 and --warmup >= 0')
     if args.compile and args.warmup < 1:
         parser.error('--compile needs --warmup >= 1 (the first call compiles)')
     if not args.depths and not args.cifar_depths:
@@ -191,7 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         f'ResNet: batch {args.batch} at {args.size}x{args.size}; CIFAR ResNet: batch '
         f'{args.cifar_batch} at {args.cifar_size}x{args.cifar_size}'
         + ('; tiny widths (--quick)' if args.quick else ''),
-        f'medians of {args.repeats} interleaved rounds after {args.warmup} warm-up; memory '
+        f'medians of {args.repeats} interleaved rounds after {args.warmup} warm-up, each the '
+        f'fastest of {args.inner} back-to-back runs; memory '
         f'format: {fmt}' + ('; torch.compile measured too' if args.compile else ''),
         'FLOPs: not counted (--no-flops)' if args.no_flops else
         'FLOPs per image (batch 1), one multiply-add = 1' + (
@@ -207,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         print(line)
     results = run(candidates, models, settings, device, args.repeats, args.warmup,
                   channels_last=bool(args.channels_last), count_flops_fn=flops,
-                  progress=progress)
+                  progress=progress, inner=args.inner)
     table = markdown_table(results)
     print(table)
     os.makedirs(args.out_dir, exist_ok=True)
