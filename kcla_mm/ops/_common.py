@@ -77,7 +77,8 @@ def eca(p: Tensor, *convs: nn.Conv1d) -> Tuple[Tensor, ...]:
     k = convs[0].weight.shape[-1]
     pad = (k - 1) // 2
     windows = F.pad(p, (pad, pad)).unfold(1, k, 1)  # [B, C, k]
-    weight = torch.stack([c.weight.reshape(k) for c in convs], dim=1).to(p.dtype)  # [k, n]
+    # [1, n, k] -> [k, n]: few ops, each costs more than its arithmetic here
+    weight = torch.cat([c.weight for c in convs], 1).view(len(convs), k).t().to(p.dtype)
     out = windows @ weight  # [B, C, n]
     return tuple(out.unbind(-1))
 
@@ -101,7 +102,9 @@ def pooled_qk(x: Tensor, wq: nn.Module, wk: nn.Module, num_heads: int):
 
 def per_channel(t: Tensor, head_dim: int, dtype: torch.dtype) -> Tensor:
     """Broadcast a per-head tensor ``[B, G]`` to ``[B, G*d, 1, 1]``."""
-    return t.repeat_interleave(head_dim, dim=1).to(dtype)[:, :, None, None]
+    b, g = t.shape
+    return t.to(dtype).view(b, g, 1, 1, 1).expand(b, g, head_dim, 1, 1).reshape(
+        b, g * head_dim, 1, 1)
 
 
 def check_input(x: Tensor, channels: int, name: str) -> None:
@@ -140,6 +143,41 @@ class DropPath(nn.Module):
         return f'p={self.p}'
 
 
+def _norm_affine(norm: nn.Module, acc: torch.dtype, weight: Optional[Tensor],
+                 bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """``(gamma / sigma, beta - gamma mu / sigma)`` of an eval-mode BatchNorm, ``[C]`` each."""
+    inv_std = torch.rsqrt(norm.running_var.to(acc) + norm.eps)  # [C]
+    if norm.affine:
+        weight = norm.weight if weight is None else weight
+        bias = norm.bias if bias is None else bias
+    weight = weight.to(acc) * inv_std if norm.affine else inv_std
+    shift = -norm.running_mean.to(acc) * weight
+    if norm.affine:
+        shift = shift + bias.to(acc)
+    return weight, shift
+
+
+def _cached_norm_affine(norm: nn.Module, acc: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """:func:`_norm_affine` of ``norm``'s own parameters, kept until any of them changes.
+
+    Only used without autograd. The key holds every tensor's storage and
+    version counter (bumped by optimiser steps, ``load_state_dict`` and any
+    in-place write), and that of ``num_batches_tracked``: the BatchNorm kernel
+    updates the running statistics without bumping their counters, but every
+    training forward increments ``num_batches_tracked``.
+    """
+    tensors = [norm.running_mean, norm.running_var] + (
+        [norm.weight, norm.bias] if norm.affine else []) + (
+        [norm.num_batches_tracked] if norm.num_batches_tracked is not None else [])
+    key = (acc, norm.eps) + tuple((t.data_ptr(), t._version, t.device) for t in tensors)
+    cached = norm.__dict__.get('_kcla_folded_affine')
+    if cached is None or cached[0] != key:
+        weight, shift = _norm_affine(norm, acc, None, None)
+        cached = (key, weight[None, :, None, None], shift[None, :, None, None])
+        norm.__dict__['_kcla_folded_affine'] = cached
+    return cached[1], cached[2]
+
+
 def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor, weight: Optional[Tensor] = None,
               bias: Optional[Tensor] = None, inplace: bool = False) -> Optional[Tensor]:
     """``norm(v * scale)`` as one per-sample, per-channel affine when possible.
@@ -155,24 +193,24 @@ def fold_norm(norm: nn.Module, v: Tensor, scale: Tensor, weight: Optional[Tensor
         scale: ``[B, C, 1, 1]``.
         weight, bias: the affine parameters to use instead of ``norm``'s own
             (the recomputation in a backward pass passes detached copies).
+        inplace: write the result into ``v`` (nothing differentiates through
+            it): a new feature map costs page faults on CPU, more than the pass.
     """
     if (norm.training or not isinstance(norm, nn.modules.batchnorm._BatchNorm)
             or norm.running_mean is None):
         return None
     acc = compute_dtype(v.dtype)
-    inv_std = torch.rsqrt(norm.running_var.to(acc) + norm.eps)  # [C]
-    if norm.affine:
-        weight = norm.weight if weight is None else weight
-        bias = norm.bias if bias is None else bias
-    weight = weight.to(acc) * inv_std if norm.affine else inv_std
-    shift = -norm.running_mean.to(acc) * weight
-    if norm.affine:
-        shift = shift + bias.to(acc)
-    a = scale.to(acc) * weight[None, :, None, None]  # [B, C, 1, 1]
-    shift = shift[None, :, None, None].to(v.dtype)
+    own = (weight is None or weight is getattr(norm, 'weight', None)) and (
+        bias is None or bias is getattr(norm, 'bias', None))
+    if own and not torch.is_grad_enabled():
+        weight, shift = _cached_norm_affine(norm, acc)  # [1, C, 1, 1] each
+    else:
+        weight, shift = (t[None, :, None, None] for t in _norm_affine(norm, acc, weight, bias))
+    a = (scale.to(acc) * weight).to(v.dtype)  # [B, C, 1, 1]
+    shift = shift.to(v.dtype)
     if inplace:
-        return torch.addcmul(shift, v, a.to(v.dtype), out=v)
-    return torch.addcmul(shift, v, a.to(v.dtype))
+        return torch.addcmul(shift, v, a, out=v)
+    return torch.addcmul(shift, v, a)
 
 
 @dataclass(frozen=True)

@@ -191,16 +191,18 @@ class KCLA(nn.Module):
         """Queries and keys of ``x``: each ``[B, G, d]`` float32."""
         return pooled_qk(x, self.wq, self.wk, self.num_heads)
 
-    def logits(self, k: Tensor) -> Tensor:
+    def logits(self, k: Tensor, k_norm: Optional[Tensor] = None) -> Tensor:
         """Weight logits ``min(|k_g| / tau_g, clamp)`` from keys ``[B, G, d]``: ``[B, G]``."""
-        logit = k.norm(dim=-1) * self.inv_tau.to(k.dtype)
+        k_norm = k.norm(dim=-1) if k_norm is None else k_norm
+        logit = k_norm * self.inv_tau.to(k.dtype)
         return logit if self.clamp is None else logit.clamp(max=self.clamp)
 
-    def gate(self, q: Tensor, k: Tensor) -> Tensor:
+    def gate(self, q: Tensor, k: Tensor, k_norm: Optional[Tensor] = None) -> Tensor:
         """Per-head gate ``sigmoid(Phi(<q, k> / |k|))``: ``[B, G]`` in the dtype of ``q``."""
         # NOTE: |k| is clamped away from 0 (the reference divides by it as is),
         # so an all-zero key gives a score of 0 instead of NaN.
-        h = (q * k).sum(-1) / k.norm(dim=-1).clamp_min(1e-12)  # [B, G]
+        k_norm = k.norm(dim=-1) if k_norm is None else k_norm
+        h = (q * k).sum(-1) / k_norm.clamp_min(1e-12)  # [B, G]
         with torch.autocast(device_type=q.device.type, enabled=False):
             return torch.sigmoid(F.linear(h, self.phi.weight.to(h.dtype)))
 
@@ -292,11 +294,13 @@ class KCLA(nn.Module):
                     f'block output {tuple(x.shape)}; only an init layer (renorm=True) '
                     'adapts a state of another width or resolution')
         q, k = self.keys(x)  # [B, G, d] each
-        log_z, prev, beta = self._merge(x, self.logits(k), state)
+        k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
+        log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)
         # xbar = u / (z + eps) = mean * z / (z + eps) = mean * sigmoid(log z - log eps);
         # Wv is linear and per-channel, so the factor moves past it into the gate.
         shrink = torch.sigmoid(log_z - math.log(self.eps))  # [B, G]
-        scale = per_channel(self.gate(q, k) * shrink, self.head_dim, q.dtype)  # [B, C, 1, 1]
+        gate = self.gate(q, k, k_norm)  # [B, G]
+        scale = per_channel(gate * shrink, self.head_dim, q.dtype)  # [B, C, 1, 1]
         keep = self.drop_path.keep_mask(x)
         args = (x, prev, beta, scale, keep, self.wv.weight,
                 getattr(self.norm, 'weight', None), getattr(self.norm, 'bias', None))

@@ -404,3 +404,38 @@ def test_recomputed_tail_under_autocast_matches_plain_autograd(monkeypatch):
         assert cos > 0.95, (n, float(cos))  # a wrong gradient would be far off
     for a, b in zip(x0, x1):
         assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_cached_eval_fold_follows_every_change_of_the_norm():
+    # the folded BN affine is cached for inference; in-place parameter updates,
+    # load_state_dict, new running statistics and .data swaps all invalidate it
+    torch.manual_seed(0)
+    layer = KCLA(16, head_dim=8).eval()
+    randomize_norms(layer)
+    x = torch.rand(2, 16, 4, 4)
+    reference = KCLA(16, head_dim=8).eval()
+
+    def check():
+        reference.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            got, _ = layer(x)
+        reference.norm.__dict__.pop('_kcla_folded_affine', None)
+        want, _ = reference(x)  # with autograd on: never cached
+        torch.testing.assert_close(got, want)
+        return got
+
+    first = check()
+    assert '_kcla_folded_affine' in layer.norm.__dict__  # inference used the cache
+    with torch.no_grad():
+        layer.norm.weight.mul_(2)  # an optimiser step
+    assert not torch.equal(check(), first)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state['norm.running_var'] = state['norm.running_var'] * 3
+    layer.load_state_dict(state)
+    check()
+    layer.train()
+    layer(x)  # updates the running statistics in place
+    layer.eval()
+    check()
+    layer.norm.bias.data = torch.randn(16)
+    check()
