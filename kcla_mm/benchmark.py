@@ -392,15 +392,26 @@ def _cell(value: Optional[float], base: Optional[float], fmt: str) -> str:
     return f'{value:{fmt}} ({_ratio(value, base)})'
 
 
+def load_results(data: Dict[str, Any]) -> Dict[Candidate, Result]:
+    """The results of a ``benchmark.json`` written by the tool (to re-render them)."""
+    results = {}
+    for e in data['results']:
+        c = Candidate(e['family'], e['depth'], e['method'], e['compiled'])
+        results[c] = Result(c, e['blocks'], e['params'], e['flops'], e['peak_memory_bytes'],
+                            list(e['forward_s']), list(e['train_step_s']))
+    return results
+
+
 def markdown_table(results: Dict[Candidate, Result]) -> str:
     """One row per candidate; every figure with its ratio to the plain ResNet of its depth.
 
-    ``per block`` columns: (time - plain time) / number of blocks, in ms.
+    ``per block`` columns: (figure - plain figure) / number of blocks, in ms
+    or MB: flat in depth for a method of linear cost.
     """
     header = ('| backbone | method | blocks | params (M) | GFLOPs | forward (ms) | '
               'train step (ms) | peak train memory (MB) | forward per block (ms) | '
-              'train step per block (ms) |')
-    lines = [header, '|' + ' --- |' * 3 + ' ---: |' * 7]
+              'train step per block (ms) | memory per block (MB) |')
+    lines = [header, '|' + ' --- |' * 3 + ' ---: |' * 8]
     for c, r in results.items():
         b = results.get(c.baseline)
 
@@ -411,15 +422,16 @@ def markdown_table(results: Dict[Candidate, Result]) -> str:
                 return None if v is None or math.isnan(v) else v * scale
             return get(r), get(b)
 
-        def per_block(attr: str) -> str:
-            v, bv = pair(attr, 1e3)
+        def per_block(attr: str, scale: float = 1e3) -> str:
+            v, bv = pair(attr, scale)
             return 'n/a' if v is None or bv is None else f'{(v - bv) / r.blocks:+.3f}'
 
         family = 'ResNet' if c.family == 'imagenet' else 'CIFAR-ResNet'
         cells = [_cell(*pair('params', 1e-6), '.3f'), _cell(*pair('flops', 1e-9), '.3f'),
                  _cell(*pair('forward_median', 1e3), '.1f'),
                  _cell(*pair('train_median', 1e3), '.1f'), _cell(*pair('memory', 2**-20), '.1f'),
-                 per_block('forward_median'), per_block('train_median')]
+                 per_block('forward_median'), per_block('train_median'),
+                 per_block('memory', 2**-20)]
         lines.append(f'| {family}-{c.depth}{" +compile" if c.compiled else ""} | {c.method} | '
                      f'{r.blocks} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)

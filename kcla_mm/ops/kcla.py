@@ -376,7 +376,10 @@ class _RecomputedTail(torch.autograd.Function):
         # the hand-derived backward (one recomputation, no autograd graph, few
         # temporaries); under autocast the dtype of every op would have to be
         # replayed, so there the recomputation goes through autograd instead
-        ctx.analytic = (ANALYTIC_BACKWARD and not ctx.autocast[0]
+        # (CPU only: on CUDA the forward's BatchNorm is cuDNN's, whose batch
+        # statistics the native kernels of the derivation would not reproduce
+        # bit for bit; the replay calls the same kernels as the forward)
+        ctx.analytic = (ANALYTIC_BACKWARD and not ctx.autocast[0] and ctx.device_type == 'cpu'
                         and args[0].dtype in (torch.float32, torch.float64))
         ctx.bn_training = layer.norm.training
         ctx.save_for_backward(*args)

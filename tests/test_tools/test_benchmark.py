@@ -44,12 +44,20 @@ def test_quick_run_writes_table_and_plot(tmp_path):
         ratios = [float(x) for x in re.findall(r'\(([\d.]+)x\)', ' | '.join(r[3:8]))]
         assert len(ratios) == 5  # params, FLOPs, forward, train step, memory
         if r[1] == 'none':
-            assert ratios == [1.0] * 5 and r[8:] == ['+0.000', '+0.000']
+            assert ratios == [1.0] * 5 and r[8:] == ['+0.000'] * 3  # time, time, memory
         else:  # layer attention adds parameters and FLOPs
             assert ratios[0] > 1 and ratios[1] > 1
     png = (tmp_path / 'benchmark.png').read_bytes()
     assert png[:4] == b'\x89PNG' and len(png) > 10000
     assert (tmp_path / 'benchmark.json').stat().st_size > 0
+    # --from-json re-renders the same table without measuring
+    again = tmp_path / 'again'
+    proc = subprocess.run([sys.executable, str(TOOL), '--from-json',
+                           str(tmp_path / 'benchmark.json'), '--out-dir', str(again)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / 'benchmark.md').read_text() == md
+    assert (again / 'benchmark.png').read_bytes()[:4] == b'\x89PNG'
 
 
 @pytest.mark.parametrize('depth, n', [(8, 1), (20, 3), (56, 9)])

@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
-                               build_backbone, count_flops, markdown_table, plot, run)
+                               build_backbone, count_flops, load_results, markdown_table, plot, run)
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
              repeats=1, warmup=0, threads=1, inner=1)
@@ -108,6 +108,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--quick', action='store_true',
                         help='tiny widths and sizes for a smoke test: ' + ', '.join(
                             f'{k}={v}' for k, v in QUICK.items()) + ' (explicit flags win)')
+    parser.add_argument('--from-json', metavar='FILE',
+                        help='measure nothing: re-render benchmark.md and benchmark.png from a '
+                        'benchmark.json of an earlier run into --out-dir')
     parser.add_argument('--out-dir', default='work_dirs/benchmark_layer_attention',
                         help='folder for benchmark.md, benchmark.json and benchmark.png')
     args = parser.parse_args(argv)
@@ -150,9 +153,32 @@ def device_description(device: torch.device) -> str:
     return f'CPU {cpu_name()}, {os.cpu_count()} logical cores'
 
 
+def write_outputs(results: Dict[Candidate, object], header: List[str], out_dir: str,
+                  title: str) -> str:
+    """Write benchmark.md and benchmark.png; returns the table."""
+    table = markdown_table(results)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(osp.join(out_dir, 'benchmark.md'), 'w') as f:
+        f.write('\n'.join(f'- {line}' for line in header) + '\n\n' + table + '\n')
+    plot(results, osp.join(out_dir, 'benchmark.png'), title)
+    return table
+
+
+def rerender(path: str, out_dir: str) -> Dict[Candidate, object]:
+    """Re-render the table and the plot of an earlier run's benchmark.json."""
+    with open(path) as f:
+        data = json.load(f)
+    results = load_results(data)
+    print(write_outputs(results, data['header'], out_dir, data['header'][0]))
+    print(f'wrote benchmark.md and benchmark.png to {out_dir}')
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     """Run the benchmark; returns the results per candidate."""
     args = parse_args(argv)
+    if args.from_json:
+        return rerender(args.from_json, args.out_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -214,11 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     results = run(candidates, models, settings, device, args.repeats, args.warmup,
                   channels_last=bool(args.channels_last), count_flops_fn=flops,
                   progress=progress, inner=args.inner)
-    table = markdown_table(results)
-    print(table)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(osp.join(args.out_dir, 'benchmark.md'), 'w') as f:
-        f.write('\n'.join(f'- {line}' for line in header) + '\n\n' + table + '\n')
+    title = f'{device_description(device)}, CPU threads: {torch.get_num_threads()}'
+    print(write_outputs(results, header, args.out_dir, title))
     with open(osp.join(args.out_dir, 'benchmark.json'), 'w') as f:
         json.dump(dict(header=header, argv=list(sys.argv[1:] if argv is None else argv),
                        results=[dict(name=c.name, family=c.family, depth=c.depth,
@@ -226,8 +249,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
                                      params=r.params, flops=r.flops, peak_memory_bytes=r.memory,
                                      forward_s=r.forward, train_step_s=r.train)
                                 for c, r in results.items()]), f, indent=1)
-    plot(results, osp.join(args.out_dir, 'benchmark.png'),
-         f'{device_description(device)}, CPU threads: {torch.get_num_threads()}')
     print(f'wrote benchmark.md, benchmark.json and benchmark.png to {args.out_dir}')
     return results
 
