@@ -243,7 +243,8 @@ class KCLA(nn.Module):
 
     def tail(self, x: Tensor, prev: Optional[Tensor], beta: Optional[Tensor], scale: Tensor,
              keep: Optional[Tensor], wv_weight: Tensor, norm_weight: Optional[Tensor],
-             norm_bias: Optional[Tensor], recompute: bool = False) -> Tuple[Tensor, Tensor]:
+             norm_bias: Optional[Tensor], recompute: bool = False,
+             reuse_prev: bool = False) -> Tuple[Tensor, Tensor]:
         """The feature-map part of the step: state update, ``Wv``, gate, norm, ReLU, add.
 
         Args:
@@ -255,11 +256,18 @@ class KCLA(nn.Module):
                 probability, or ``None``.
             recompute: batch statistics only (the backward pass of
                 :class:`_RecomputedTail`; running statistics were updated once).
+            reuse_prev: write the new mean into ``prev`` (no autograd; see
+                ``reuse_state`` of :meth:`forward`).
 
         Returns:
             ``(x + o, mean)``, both ``[B, C, H, W]``.
         """
-        mean = x if prev is None else torch.lerp(prev, x, beta)
+        if prev is None:
+            mean = x
+        elif reuse_prev:
+            mean = prev.lerp_(x, beta)  # no new feature map
+        else:
+            mean = torch.lerp(prev, x, beta)
         v = F.conv2d(mean, wv_weight, padding=1, groups=self.channels)  # [B, C, H, W]
         # eval-mode BN: one pass, in place when nothing differentiates through it
         o = fold_norm(self.norm, v, scale, norm_weight, norm_bias,
@@ -281,8 +289,18 @@ class KCLA(nn.Module):
             return x + o, mean
         return o.add_(x), mean  # no new feature map
 
-    def forward(self, x: Tensor,
-                state: Optional[KCLAState] = None) -> Tuple[Tensor, KCLAState]:
+    def forward(self, x: Tensor, state: Optional[KCLAState] = None,
+                reuse_state: bool = False) -> Tuple[Tensor, KCLAState]:
+        """One KCLA step: ``(x + attention output, new state)``.
+
+        Args:
+            x: block output ``[B, C, H, W]``.
+            state: the previous block's state (``None`` for the first block).
+            reuse_state: the caller will not use ``state`` again, so without
+                autograd its feature map may be overwritten by the new state
+                (saves allocating a map per block; the backbone does this in
+                inference). Ignored where autograd records.
+        """
         check_input(x, self.channels, 'KCLA')
         if state is not None:
             check_batch(state.mean.shape[0], x, 'KCLA')
@@ -311,7 +329,9 @@ class KCLA(nn.Module):
                 and not _compiling()):
             out, mean = _RecomputedTail.apply(self, *args)
         else:
-            out, mean = self.tail(*args)
+            reuse = (reuse_state and prev is not None and not torch.is_grad_enabled()
+                     and prev is not x and prev.stride() == x.stride())
+            out, mean = self.tail(*args, reuse_prev=reuse)
         return out, KCLAState(mean, log_z)
 
     def extra_repr(self) -> str:

@@ -351,3 +351,32 @@ def test_backbone_compiles_without_graph_breaks_in_training():
     for n in ref[2]:
         name = '_orig_mod.' + n  # torch.compile's wrapper prefixes the names
         torch.testing.assert_close(got[2][name], ref[2][n], msg=n)
+
+
+def test_inference_reuses_state_memory_without_changing_values(monkeypatch):
+    # in inference the backbone lets each KCLA step overwrite the previous
+    # state's map; the outputs equal those of the allocating path, and the
+    # operator leaves a caller's state alone unless asked
+    torch.manual_seed(0)
+    model = tiny(depth=50, channels_last=True).eval()
+    randomize_norms(model)
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        got = model(x)
+        monkeypatch.setattr(KCLA, 'forward', lambda self, x, state=None, reuse_state=False:
+                            _KCLA_FORWARD(self, x, state))
+        want = model(x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    layer = model.layer1_attn[1]
+    xs = torch.rand(2, 32, 16, 16)
+    _, state = model.layer1_attn[0](xs)
+    before = state.mean.clone()
+    with torch.no_grad():
+        _KCLA_FORWARD(layer, torch.rand(2, 32, 16, 16), state)
+        assert torch.equal(state.mean, before)
+        _KCLA_FORWARD(layer, torch.rand(2, 32, 16, 16), state, reuse_state=True)
+        assert not torch.equal(state.mean, before)
+
+
+_KCLA_FORWARD = KCLA.forward

@@ -16,7 +16,7 @@ import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from torch import Tensor, nn
 
-from ...ops import BlockPosition, build_layer_attn, saved_output_hooks
+from ...ops import KCLA, BlockPosition, build_layer_attn, saved_output_hooks
 
 DEFAULT_LAYER_ATTN: Mapping = MappingProxyType({'type': 'KCLA'})
 
@@ -218,6 +218,9 @@ class KCLAResNetMixin:
     def _attend(self, attn: nn.Module, x: Tensor, state):
         if self.with_cp and x.requires_grad:
             return cp.checkpoint(attn, x, state, use_reentrant=False)
+        if isinstance(attn, KCLA) and not torch.is_grad_enabled():
+            # the backbone owns the states: the new one may take the old one's memory
+            return attn(x, state, reuse_state=True)
         return attn(x, state)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
