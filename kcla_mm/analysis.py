@@ -541,7 +541,7 @@ def sub_state_dict(sd: Mapping[str, Tensor], prefix: str) -> Dict[str, Tensor]:
 #: FLOPs per output element.
 ELEMENTWISE_FLOPS: Dict[str, int] = {
     'aten::add': 1, 'aten::add_': 1, 'aten::sub': 1, 'aten::rsub': 1, 'aten::mul': 1,
-    'aten::mul_': 1, 'aten::div': 1, 'aten::addcmul': 1, 'aten::lerp': 2,
+    'aten::mul_': 1, 'aten::div': 1, 'aten::addcmul': 1, 'aten::lerp': 2, 'aten::lerp_': 2,
 }
 
 

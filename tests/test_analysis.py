@@ -299,3 +299,18 @@ def test_kcla_renorm_inside_a_long_stage_starts_a_new_segment():
     np.testing.assert_allclose(result.through_pseudo[r:names.index('layer4.0')],
                                result.matrix[r:names.index('layer4.0'), :r].sum(1), atol=1e-9)
     assert result.through_pseudo[r - 1] < result.matrix[r - 1, :r - 1].sum()
+
+
+def test_kcla_state_update_counts_the_same_in_place(monkeypatch):
+    # inference writes the new state in place (lerp_): the same FLOPs as lerp
+    from kcla_mm.ops import KCLA
+    model = tiny('KCLA')
+    x = (torch.rand(1, 3, 32, 32), )
+    with torch.no_grad():
+        model(*x)  # fills the cached eval BN fold, so both counts skip it
+        in_place = A.flop_analyzer(model, x).total('layer1_attn.1')
+        forward = KCLA.forward
+        monkeypatch.setattr(KCLA, 'forward', lambda self, x, state=None, reuse_state=False:
+                            forward(self, x, state))
+        allocating = A.flop_analyzer(model, x).total('layer1_attn.1')
+    assert in_place == allocating > 0
