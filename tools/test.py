@@ -32,6 +32,7 @@ from mmengine.runner import Runner
 
 import kcla_mm  # noqa: F401  (registers the components, installs the safe loader)
 from kcla_mm.utils.checkpoint import TRUST_ENV
+from kcla_mm.utils.dist import shutdown_distributed
 
 PICKLE_EXTENSIONS = ('.pkl', '.pickle')
 
@@ -141,7 +142,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     runner = build_runner(cfg)
     if args.out is not None and args.out.endswith(PICKLE_EXTENSIONS):
         runner.test_evaluator.metrics.append(dump_metric(cfg.get('default_scope'), args.out))
-    return runner.test()
+    try:
+        return runner.test()
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == '__main__':

@@ -25,6 +25,7 @@ from mmengine.runner import Runner
 
 import kcla_mm  # noqa: F401  (registers the components, installs the safe loader)
 from kcla_mm.utils.checkpoint import TRUST_ENV
+from kcla_mm.utils.dist import shutdown_distributed
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -103,7 +104,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.trust_checkpoint:
         os.environ[TRUST_ENV] = '1'
     runner = build_runner(build_config(args))
-    runner.train()
+    try:
+        runner.train()
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == '__main__':

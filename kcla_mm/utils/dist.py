@@ -68,3 +68,15 @@ def install_cpu_distributed() -> None:
         dist_utils._init_dist_pytorch = _cpu_init_dist_pytorch(dist_utils._init_dist_pytorch)
     if not getattr(MMDistributedDataParallel.__init__, 'kcla_mm_cpu', False):
         MMDistributedDataParallel.__init__ = _cpu_ddp_init(MMDistributedDataParallel.__init__)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group, if one was initialised.
+
+    A process that exits with a live gloo/NCCL group tears its threads down in
+    no defined order; seen here as an occasional ``terminate called without
+    an active exception`` (SIGABRT) of one rank after training had finished.
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -143,3 +143,17 @@ def test_state_never_crosses_samples_in_training_with_group_norm(cls, method):
     assert grad[0].abs().max() > 0 and torch.count_nonzero(grad[1]) == 0
     for alone, together in zip(model(x[1:]), outs):
         torch.testing.assert_close(alone, together[1:], rtol=1e-12, atol=1e-12)
+
+
+def test_shutdown_destroys_an_initialised_process_group(tmp_path):
+    # the tools end every run by destroying the process group (an exit with a
+    # live gloo group occasionally aborted a rank at teardown)
+    import torch.distributed as dist
+
+    from kcla_mm.utils.dist import shutdown_distributed
+    shutdown_distributed()  # nothing initialised: a no-op
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path / "store"}', rank=0,
+                            world_size=1)
+    assert dist.is_initialized()
+    shutdown_distributed()
+    assert not dist.is_initialized()
