@@ -72,5 +72,13 @@ log "installing requirements and kcla_mm (editable)"
 "${PIP[@]}" install -q "pytest>=7" "flake8>=6,<8" "isort>=5,<7"
 
 "$PY" -c "import mmcv.ops, mmdet, mmseg, kcla_mm; print('[setup_env] mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__)"
+# the fused CPU inference kernels of KCLA (built once per machine type into
+# torch's extension cache; without a compiler the eager path runs instead)
+if "$PY" -m kcla_mm.ops.cpu_kernels >/dev/null 2>&1; then
+    log "fused KCLA CPU kernels built"
+else
+    log "WARNING: the fused KCLA CPU kernels could not be built; inference uses the eager path" \
+        "(see: $PY -m kcla_mm.ops.cpu_kernels)"
+fi
 echo "$want" > "$STAMP"
 log "done"

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
-                      check_input, compute_dtype, eca, eca_conv, fold_norm, per_channel, pooled_qk,
-                      value_conv)
+from . import cpu_kernels
+from ._common import (BlockPosition, DropPath, NormLayer, _cached_norm_affine, check_batch,
+                      check_drop_path, check_heads, check_input, compute_dtype, eca, eca_conv,
+                      fold_norm, per_channel, pooled_qk, value_conv)
 
 
 class KCLAState(NamedTuple):
@@ -290,7 +291,7 @@ class KCLA(nn.Module):
         return o.add_(x), mean  # no new feature map
 
     def forward(self, x: Tensor, state: Optional[KCLAState] = None,
-                reuse_state: bool = False) -> Tuple[Tensor, KCLAState]:
+                reuse_state: bool = False, reuse_input: bool = False) -> Tuple[Tensor, KCLAState]:
         """One KCLA step: ``(x + attention output, new state)``.
 
         Args:
@@ -300,17 +301,26 @@ class KCLA(nn.Module):
                 autograd its feature map may be overwritten by the new state
                 (saves allocating a map per block; the backbone does this in
                 inference). Ignored where autograd records.
+            reuse_input: likewise for ``x``: without autograd the output may
+                be written into it (only by the fused CPU kernel, and never
+                where ``x`` becomes the state).
         """
         check_input(x, self.channels, 'KCLA')
+        renormed = False
         if state is not None:
             check_batch(state.mean.shape[0], x, 'KCLA')
             if self.renorm:
+                if self._fusable(x, state, adapt=True):  # adjust and norm_u in the kernel
+                    return self._fused_eval(x, state, False, reuse_input, adapt=True)
                 state = self.renormalize(state, x)
+                renormed = True  # a new map, owned here
             elif state.mean.shape != x.shape:
                 raise ValueError(
                     f'KCLA: state of shape {tuple(state.mean.shape)} does not match the '
                     f'block output {tuple(x.shape)}; only an init layer (renorm=True) '
                     'adapts a state of another width or resolution')
+        if self._fusable(x, state):
+            return self._fused_eval(x, state, reuse_state or renormed, reuse_input)
         q, k = self.keys(x)  # [B, G, d] each
         k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
         log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)
@@ -334,6 +344,50 @@ class KCLA(nn.Module):
             out, mean = self.tail(*args, reuse_prev=reuse)
         return out, KCLAState(mean, log_z)
 
+    def _fusable(self, x: Tensor, state: Optional[KCLAState], adapt: bool = False) -> bool:
+        """Whether the fused CPU kernel computes this step (eval, float32, channels-last).
+
+        ``adapt``: whether it also adapts the incoming state of an init layer
+        (``adjust`` and ``norm_u``, spec section 5).
+        """
+        if (torch.is_grad_enabled() or self.training or x.device.type != 'cpu'
+                or x.dtype != torch.float32 or _compiling() or torch.jit.is_tracing()
+                or not x.is_contiguous(memory_format=torch.channels_last)
+                or not _foldable(self.norm) or self.wv.weight.dtype != torch.float32):
+            return False
+        if state is not None:
+            if state.mean.dtype != torch.float32:
+                return False
+            if adapt:
+                p = state.mean
+                if (self.adjust is None or not _foldable(self.norm_u) or p.dim() != 4
+                        or p.shape[1] != self.prev_channels
+                        or not p.is_contiguous(memory_format=torch.channels_last)
+                        or tuple((n - 1) // self.stride + 1 for n in p.shape[2:])
+                        != tuple(x.shape[2:])):
+                    return False  # the eager path adapts it, or names what is wrong
+            elif state.mean.stride() != x.stride():
+                return False
+        return cpu_kernels.available()
+
+    def _fused_eval(self, x: Tensor, state: Optional[KCLAState], reuse_prev: bool,
+                    reuse_input: bool, adapt: bool = False) -> Tuple[Tensor, KCLAState]:
+        """:meth:`forward` in eval mode by ``torch.ops.kcla_mm.eval_step``."""
+        weight, shift = _cached_norm_affine(self.norm, torch.float32)  # [1, C, 1, 1] each
+        prev = None if state is None else state.mean
+        reuse_prev = reuse_prev and prev is not None and prev is not x
+        adj_w = adj_b = wk_u = None
+        if adapt:  # norm_u(adjust(m)) = (s_u W) m + b_u, one grouped 1x1 map
+            s_u, adj_b = _cached_norm_affine(self.norm_u, torch.float32)
+            adj_w = self.adjust.weight.flatten(1) * s_u.view(-1, 1)  # [C, C_prev / G]
+            wk_u = self.wk_u.weight
+        out, mean, log_z = torch.ops.kcla_mm.eval_step(
+            x, prev, None if state is None or adapt else state.log_z, self.wq.weight,
+            self.wk.weight, self.inv_tau, self.phi.weight, self.wv.weight, weight, shift,
+            adj_w, adj_b, wk_u, self.stride, -1.0 if self.clamp is None else self.clamp,
+            self.eps, reuse_prev, reuse_input and prev is not None)
+        return out, KCLAState(mean, log_z)
+
     def extra_repr(self) -> str:
         return (f'channels={self.channels}, heads={self.num_heads}, head_dim={self.head_dim}, '
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
@@ -347,6 +401,12 @@ ANALYTIC_BACKWARD = True
 def _compiling() -> bool:
     compiler = getattr(torch, 'compiler', None)
     return bool(compiler is not None and compiler.is_compiling())
+
+
+def _foldable(norm: nn.Module) -> bool:
+    # an eval-mode BatchNorm with running statistics: one affine per channel
+    return (isinstance(norm, nn.modules.batchnorm._BatchNorm) and not norm.training
+            and norm.running_mean is not None)
 
 
 def _recomputable(norm: nn.Module) -> bool:

@@ -363,7 +363,7 @@ def test_inference_reuses_state_memory_without_changing_values(monkeypatch):
     x = torch.rand(2, 3, 64, 64)
     with torch.no_grad():
         got = model(x)
-        monkeypatch.setattr(KCLA, 'forward', lambda self, x, state=None, reuse_state=False:
+        monkeypatch.setattr(KCLA, 'forward', lambda self, x, state=None, **reuse:
                             _KCLA_FORWARD(self, x, state))
         want = model(x)
     for a, b in zip(got, want):

@@ -68,6 +68,11 @@ def _to_nchw(x: Tensor) -> Tensor:
     return x.contiguous()
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook could hold on to ``module``'s output."""
+    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
+
+
 class KCLAResNetMixin:
     """Adds layer attention to a host ``ResNet`` subclass (put it first in the MRO).
 
@@ -215,12 +220,13 @@ class KCLAResNetMixin:
             x = self.relu(self.norm1(self.conv1(x)))
         return self.maxpool(x)
 
-    def _attend(self, attn: nn.Module, x: Tensor, state):
+    def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module):
         if self.with_cp and x.requires_grad:
             return cp.checkpoint(attn, x, state, use_reentrant=False)
         if isinstance(attn, KCLA) and not torch.is_grad_enabled():
-            # the backbone owns the states: the new one may take the old one's memory
-            return attn(x, state, reuse_state=True)
+            # the backbone owns the states: the new one may take the old one's
+            # memory; and the block output, unless a forward hook may have kept it
+            return attn(x, state, reuse_state=True, reuse_input=not _hooked(block))
         return attn(x, state)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
@@ -246,7 +252,7 @@ class KCLAResNetMixin:
                 # in the backward pass instead of kept (no-op where inapplicable)
                 with saved_output_hooks(x) if not self.with_cp else nullcontext():
                     x = block(x)
-                x, state = self._attend(attn, x, state)
+                x, state = self._attend(attn, x, state, block)
             if i in self.out_indices:
                 # NOTE: outputs leave NCHW-contiguous: mmcv's RoIAlign reads its
                 # input as NCHW and silently returns scrambled features for a

@@ -1,0 +1,106 @@
+"""Optional fused CPU kernels for KCLA inference, built on first use.
+
+``csrc/kcla_eval_cpu.cpp`` does a whole KCLA step in eval mode (pooling, the
+per-head math, the state update, the depthwise value convolution, the folded
+norm and gate, ReLU and the residual add) in two passes over the feature map,
+where the eager path runs about 50 ops and 12 passes. It is compiled with
+:func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``,
+which ``tools/setup_env.sh`` installs) into torch's extension cache, once per
+machine type, and registers ``torch.ops.kcla_mm.eval_step``.
+
+Where it cannot be built the eager path runs, after one warning. Environment:
+
+- ``KCLA_MM_CPU_KERNELS=0``: never build or use the kernels.
+- ``KCLA_MM_CPU_KERNELS=require``: a failed build raises instead of warning
+  (CI uses this, so a broken build cannot hide behind the fallback).
+
+Build ahead of time (e.g. in a Docker image): ``python -m kcla_mm.ops.cpu_kernels``.
+"""
+import hashlib
+import os
+import platform
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCE = Path(__file__).with_name('csrc') / 'kcla_eval_cpu.cpp'
+_LOCK = threading.Lock()
+_STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
+
+
+def _mode() -> str:
+    return os.environ.get('KCLA_MM_CPU_KERNELS', '1').strip().lower()
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used at all (``KCLA_MM_CPU_KERNELS`` is not ``0``)."""
+    return _mode() not in ('0', 'false', 'off', 'no')
+
+
+def _cpu_tag() -> str:
+    """Names the build after the CPU's instruction sets (it is built with ``-march=native``)."""
+    flags = ''
+    try:
+        for line in Path('/proc/cpuinfo').read_text().splitlines():
+            if line.startswith('flags'):
+                flags = line
+                break
+    except OSError:
+        pass
+    key = '|'.join((flags, platform.machine(), torch.__version__, _SOURCE.read_text()))
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _build(verbose: bool = False) -> None:
+    from torch.utils.cpp_extension import load
+    flags = ['-O3', '-fopenmp']
+    if platform.machine() in ('x86_64', 'AMD64', 'aarch64', 'arm64'):
+        flags.append('-march=native' if platform.machine() in ('x86_64', 'AMD64')
+                     else '-mcpu=native')
+    load(name=f'kcla_mm_cpu_{_cpu_tag()}', sources=[str(_SOURCE)], extra_cflags=flags,
+         extra_ldflags=['-fopenmp'], is_python_module=False, verbose=verbose)
+
+
+def available(build: bool = True) -> bool:
+    """Whether ``torch.ops.kcla_mm.eval_step`` can be called (builds it on first use).
+
+    Raises:
+        RuntimeError: the build failed and ``KCLA_MM_CPU_KERNELS=require``.
+    """
+    if not enabled():
+        return False
+    if _STATE.get('ok'):
+        return True
+    if 'ok' not in _STATE and not build:
+        return False
+    with _LOCK:
+        if 'ok' not in _STATE:
+            try:
+                _build()
+                _STATE['ok'] = hasattr(torch.ops.kcla_mm, 'eval_step')
+            except Exception as e:  # compiler missing, ninja missing, build error
+                _STATE['ok'] = False
+                _STATE['error'] = e
+                if _mode() != 'require':
+                    warnings.warn(
+                        'kcla_mm: could not build the fused KCLA CPU kernels, using the eager '
+                        f'path (slower, same numbers): {type(e).__name__}: {e}', RuntimeWarning)
+    if not _STATE['ok'] and _mode() == 'require':
+        raise RuntimeError('kcla_mm: KCLA_MM_CPU_KERNELS=require but the fused CPU kernels '
+                           f'could not be built: {_STATE.get("error")!r}')
+    return _STATE['ok']
+
+
+def build_error() -> Optional[BaseException]:
+    """The exception of a failed build, if any."""
+    return _STATE.get('error')
+
+
+if __name__ == '__main__':
+    os.environ.setdefault('KCLA_MM_CPU_KERNELS', 'require')
+    _build(verbose=True)
+    print('kcla_mm: fused CPU kernels built and loaded:',
+          hasattr(torch.ops.kcla_mm, 'eval_step'))

@@ -1,0 +1,513 @@
+// Fused inference step of KCLA on the CPU (float32, channels-last).
+//
+// One call does what the eager eval path does in about 50 ops per block:
+//   p = GAP(x); q, k = ECA(p); logit = min(|k| / tau, clamp)
+//   log z' = logaddexp(log z, logit); beta = exp(logit - log z')
+//   mean' = lerp(mean, x, beta)                          (the new state)
+//   a = sigmoid(Phi(<q, k> / |k|)) * sigmoid(log z' - log eps) * gamma / sigma
+//   out = x + relu(a * Wv(mean') + (beta_bn - gamma mu / sigma))
+// in two passes over the feature map: the pooling pass, then one streaming
+// pass over rows that writes the state row h+1 and the output row h (the
+// depthwise 3x3 value convolution reads the state rows h-1..h+1 while they
+// are still in cache). The state may be written into the incoming state's
+// map and the output into x, so a step allocates no feature map.
+//
+// The per-head math runs in double precision on [B, C] vectors. Numerics are
+// those of kcla_mm/ops/kcla.py (KCLA.forward in eval mode); the Python side
+// checks every precondition and falls back to the eager path where one fails.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t VL = 16;  // floats per vector (one AVX-512 register, two AVX2)
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(vf));
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+inline vf splat(float s) { return vf{} + s; }  // one broadcast (a lane loop is not)
+
+// mean_row[w, c] = prev_row[w, c] + beta[c] * (x_row[w, c] - prev_row[w, c])
+// (torch.lerp's formula for weights below 0.5, the other branch above it)
+void lerp_row(const float* prev, const float* x, const float* beta, float* out, int64_t W,
+              int64_t C) {
+  for (int64_t w = 0; w < W; ++w) {
+    const float* p = prev + w * C;
+    const float* xx = x + w * C;
+    float* o = out + w * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) {
+      const float b = beta[c];
+      const float d = xx[c] - p[c];
+      o[c] = b < 0.5f ? p[c] + b * d : xx[c] - d * (1.0f - b);
+    }
+  }
+}
+
+// One row of the adapted state of an init layer (spec section 5):
+// ubar[w, c] = bias[c] + sum_i wa[c, i] * src[w * stride, g(c) * di + i]
+// with wa the grouped 1x1 ``adjust`` weights [C, di] already scaled by the
+// folded ``norm_u`` and bias its shift; src is a row of the incoming state.
+// NP pixels of head g: NV vectors of outputs each, accumulated in registers.
+template <int NP, int NV>
+inline void adjust_tile(const float* const src[NP], const float* wg, const float* bg,
+                        float* const dst[NP], int64_t di) {
+  vf acc[NP][NV];
+  for (int v = 0; v < NV; ++v) {
+    const vf b = load(bg + v * VL);
+    for (int p = 0; p < NP; ++p) acc[p][v] = b;
+  }
+  for (int64_t i = 0; i < di; ++i) {
+    vf wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load(wg + i * NV * VL + v * VL);
+    for (int p = 0; p < NP; ++p) {
+      const vf s = splat(src[p][i]);
+      for (int v = 0; v < NV; ++v) acc[p][v] += s * wv[v];
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < NV; ++v) store(dst[p] + v * VL, acc[p][v]);
+}
+
+template <int NV>
+void adjust_row_vec(const float* src, const float* wa_t, const float* bias, float* out,
+                    int64_t W, int64_t C, int64_t Cp, int64_t G, int64_t stride) {
+  constexpr int NP = 4;
+  const int64_t di = Cp / G, dout = C / G;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* wg = wa_t + g * di * dout;
+    int64_t w = 0;
+    for (; w + NP <= W; w += NP) {
+      const float* s[NP];
+      float* d[NP];
+      for (int p = 0; p < NP; ++p) {
+        s[p] = src + (w + p) * stride * Cp + g * di;
+        d[p] = out + (w + p) * C + g * dout;
+      }
+      adjust_tile<NP, NV>(s, wg, bias + g * dout, d, di);
+    }
+    for (; w < W; ++w) {
+      const float* s[1] = {src + w * stride * Cp + g * di};
+      float* d[1] = {out + w * C + g * dout};
+      adjust_tile<1, NV>(s, wg, bias + g * dout, d, di);
+    }
+  }
+}
+
+// One row of the adapted state of an init layer (spec section 5):
+// ubar[w, c] = bias[c] + sum_i wa[c, i] * src[w * stride, g(c) * di + i]
+// with wa the grouped 1x1 ``adjust`` weights already scaled by the folded
+// ``norm_u`` (wa_t: [G, di, dout]) and bias its shift; src is a row of the
+// incoming state.
+void adjust_row(const float* src, const float* wa_t, const float* bias, float* out, int64_t W,
+                int64_t C, int64_t Cp, int64_t G, int64_t stride) {
+  const int64_t di = Cp / G, dout = C / G;
+  if (dout % VL == 0 && dout / VL <= 4) {
+    switch (dout / VL) {
+      case 1: return adjust_row_vec<1>(src, wa_t, bias, out, W, C, Cp, G, stride);
+      case 2: return adjust_row_vec<2>(src, wa_t, bias, out, W, C, Cp, G, stride);
+      case 3: return adjust_row_vec<3>(src, wa_t, bias, out, W, C, Cp, G, stride);
+      default: return adjust_row_vec<4>(src, wa_t, bias, out, W, C, Cp, G, stride);
+    }
+  }
+  for (int64_t w = 0; w < W; ++w) {
+    const float* s = src + w * stride * Cp;
+    float* o = out + w * C;
+    for (int64_t g = 0; g < G; ++g) {
+      float* og = o + g * dout;
+      const float* sg = s + g * di;
+      const float* wg = wa_t + g * di * dout;  // [di, dout] of head g
+      std::memcpy(og, bias + g * dout, dout * sizeof(float));
+      for (int64_t i = 0; i < di; ++i) {
+        const float v = sg[i];
+        const float* wi = wg + i * dout;
+#pragma omp simd
+        for (int64_t c = 0; c < dout; ++c) og[c] += v * wi[c];
+      }
+    }
+  }
+}
+
+// NW output pixels w0..w0+NW-1 of one vector of channels c0..c0+VL-1:
+// out = x + relu(a * conv3x3 + shift). The weights of the vector stay in
+// registers, each input vector is loaded once for the NW outputs.
+template <int NW>
+inline void conv_tile(const float* const rows[3], const float* x, float* out, const vf k[9],
+                      vf va, vf vs, int64_t w0, int64_t W, int64_t C, int64_t c0) {
+  const vf zero = splat(0.f);
+  vf acc[NW];
+  for (int j = 0; j < NW; ++j) acc[j] = zero;
+  for (int i = 0; i < 3; ++i) {
+    const float* r = rows[i];
+    if (r == nullptr) continue;
+    vf in[NW + 2];
+    for (int j = 0; j < NW + 2; ++j) {
+      const int64_t w = w0 - 1 + j;
+      in[j] = (w >= 0 && w < W) ? load(r + w * C + c0) : zero;
+    }
+    for (int j = 0; j < NW; ++j)
+      acc[j] += k[3 * i] * in[j] + k[3 * i + 1] * in[j + 1] + k[3 * i + 2] * in[j + 2];
+  }
+  for (int j = 0; j < NW; ++j) {
+    const int64_t o = (w0 + j) * C + c0;
+    vf v = va * acc[j] + vs;
+    v = v > zero ? v : zero;
+    store(out + o, load(x + o) + v);
+  }
+}
+
+// out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero padding.
+// wt: [9, C] (tap-major), a, shift: [C]. Tiles of 4 pixels, all channels of a
+// tile before the next, so the accesses run along memory.
+void conv_row(const float* const rows[3], const float* x, float* out, const float* wt,
+              const float* a, const float* shift, int64_t W, int64_t C) {
+  constexpr int NW = 4;
+  const int64_t cv = C - C % VL;
+  for (int64_t w0 = 0; w0 < W; w0 += NW) {
+    const int64_t nw = std::min<int64_t>(NW, W - w0);
+    for (int64_t c0 = 0; c0 < cv; c0 += VL) {
+      vf k[9];
+      for (int i = 0; i < 9; ++i) k[i] = load(wt + i * C + c0);
+      const vf va = load(a + c0), vs = load(shift + c0);
+      if (nw == NW) {
+        conv_tile<NW>(rows, x, out, k, va, vs, w0, W, C, c0);
+      } else {
+        for (int64_t w = w0; w < w0 + nw; ++w) conv_tile<1>(rows, x, out, k, va, vs, w, W, C, c0);
+      }
+    }
+  }
+  for (int64_t c = cv; c < C; ++c) {  // channels past the last full vector
+    for (int64_t w = 0; w < W; ++w) {
+      float acc = 0.f;
+      for (int i = 0; i < 3; ++i) {
+        const float* r = rows[i];
+        if (r == nullptr) continue;
+        if (w > 0) acc += wt[(3 * i) * C + c] * r[(w - 1) * C + c];
+        acc += wt[(3 * i + 1) * C + c] * r[w * C + c];
+        if (w + 1 < W) acc += wt[(3 * i + 2) * C + c] * r[(w + 1) * C + c];
+      }
+      const float o = a[c] * acc + shift[c];
+      out[w * C + c] = x[w * C + c] + (o > 0.f ? o : 0.f);
+    }
+  }
+}
+
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+double logaddexp(double a, double b) {
+  const double m = std::max(a, b);
+  if (std::isinf(m) && m < 0) return m;
+  return m + std::log1p(std::exp(-std::abs(a - b)));
+}
+
+void check_map(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
+              "kcla_mm eval_step: ", name, " must be a CPU float32 tensor, got ", t.device(),
+              " ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, "kcla_mm eval_step: ", name, " has shape ", t.sizes(),
+              ", expected ", shape);
+  TORCH_CHECK(t.is_contiguous(at::MemoryFormat::ChannelsLast),
+              "kcla_mm eval_step: ", name, " must be channels-last contiguous");
+}
+
+// the data of a small parameter tensor: CPU, contiguous, n elements of type T
+template <typename T>
+const T* param(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == c10::CppTypeToScalarType<T>::value &&
+                  t.is_contiguous() && t.numel() == n,
+              "kcla_mm eval_step: ", name, " must be a contiguous CPU ",
+              c10::CppTypeToScalarType<T>::value, " tensor of ", n, " elements, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  return t.data_ptr<T>();
+}
+
+// Returns (out, new mean, new log z [B, G] float32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
+    at::Tensor x, const c10::optional<at::Tensor>& prev_opt,
+    const c10::optional<at::Tensor>& log_z_opt, const at::Tensor& wq, const at::Tensor& wk,
+    const at::Tensor& inv_tau, const at::Tensor& phi, const at::Tensor& wv,
+    const at::Tensor& norm_scale, const at::Tensor& norm_shift,
+    const c10::optional<at::Tensor>& adj_w_opt, const c10::optional<at::Tensor>& adj_b_opt,
+    const c10::optional<at::Tensor>& wk_u_opt, int64_t stride, double clamp, double eps,
+    bool reuse_prev, bool inplace_out) {
+  TORCH_CHECK(x.dim() == 4, "kcla_mm eval_step: x must be [B, C, H, W], got ", x.sizes());
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  check_map(x, "x", x.sizes());
+  const int64_t G = inv_tau.numel();
+  TORCH_CHECK(G > 0 && C % G == 0, "kcla_mm eval_step: ", C, " channels, ", G, " heads");
+  const int64_t D = C / G;
+  const int64_t K = wq.numel(), pad = (K - 1) / 2;
+  TORCH_CHECK(K % 2 == 1, "kcla_mm eval_step: the ECA kernel size must be odd, got ", K);
+  const bool has_prev = prev_opt.has_value() && prev_opt->defined();
+  at::Tensor prev;
+  // an init layer adapting the incoming state: ubar = norm_u(adjust(prev)), re-keyed
+  const bool adapt = adj_w_opt.has_value() && adj_w_opt->defined();
+  int64_t Cp = C, Hp = H, Wp = W;
+  if (has_prev) {
+    prev = *prev_opt;
+    if (adapt) {
+      TORCH_CHECK(prev.dim() == 4 && prev.size(0) == B, "kcla_mm eval_step: prev must be [",
+                  B, ", C', H', W'], got ", prev.sizes());
+      Cp = prev.size(1), Hp = prev.size(2), Wp = prev.size(3);
+      TORCH_CHECK(stride >= 1 && (Hp - 1) / stride + 1 == H && (Wp - 1) / stride + 1 == W &&
+                      Cp % G == 0,
+                  "kcla_mm eval_step: a state of shape ", prev.sizes(), " with stride ", stride,
+                  " does not adapt to ", x.sizes());
+      check_map(prev, "prev", prev.sizes());
+    } else {
+      check_map(prev, "prev", x.sizes());
+      TORCH_CHECK(log_z_opt.has_value() && log_z_opt->numel() == B * G,
+                  "kcla_mm eval_step: log_z must be [B, G] with the state");
+    }
+    TORCH_CHECK(!(reuse_prev && prev.data_ptr() == x.data_ptr()),
+                "kcla_mm eval_step: the state cannot be written into x");
+  }
+  TORCH_CHECK(!(adapt && !has_prev), "kcla_mm eval_step: adjust weights without a state");
+  reuse_prev = reuse_prev && !adapt;  // the adapted state has another shape
+  TORCH_CHECK(!(inplace_out && !has_prev),
+              "kcla_mm eval_step: without a state the new state is x; the output cannot "
+              "be written into it");
+  const float* wqp = param<float>(wq, K, "wq");
+  const float* wkp = param<float>(wk, K, "wk");
+  const double* taup = param<double>(inv_tau, G, "inv_tau");
+  const float* php = param<float>(phi, G * G, "phi");
+  const float* wvp = param<float>(wv, C * 9, "wv");
+  const float* nsp = param<float>(norm_scale, C, "norm_scale");
+  const float* nbp = param<float>(norm_shift, C, "norm_shift");
+  const float* lzp = nullptr;
+  if (has_prev && !adapt) lzp = param<float>(*log_z_opt, B * G, "log_z");
+  std::vector<float> wa_t;  // adjust weights per head as [G, di, dout]
+  const float *adj_b = nullptr, *wkup = nullptr;
+  if (adapt) {
+    const int64_t di = Cp / G, dout = C / G;
+    const float* wa = param<float>(*adj_w_opt, C * di, "adj_w");
+    TORCH_CHECK(adj_b_opt.has_value() && wk_u_opt.has_value(),
+                "kcla_mm eval_step: adj_w needs adj_b and wk_u");
+    adj_b = param<float>(*adj_b_opt, C, "adj_b");
+    wkup = param<float>(*wk_u_opt, K, "wk_u");
+    wa_t.resize(C * di);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < dout; ++c)
+        for (int64_t i = 0; i < di; ++i)
+          wa_t[(g * di + i) * dout + c] = wa[(g * dout + c) * di + i];
+  }
+  std::vector<float> wt(9 * C);  // [9, C], tap-major
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < 9; ++i) wt[i * C + c] = wvp[c * 9 + i];
+  const int64_t HW = H * W, plane = HW * C;
+  const float* xp = x.data_ptr<float>();
+
+  // -- pass 1: global average pool, [B, C] --
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(HW, 2048));
+  const int64_t nchunks = (HW + chunk - 1) / chunk;
+  std::vector<double> partial(B * nchunks * C, 0.0);
+  at::parallel_for(0, B * nchunks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(C);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / nchunks, j = t % nchunks;
+      const int64_t s0 = j * chunk, s1 = std::min(HW, s0 + chunk);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float* ap = acc.data();
+      for (int64_t s = s0; s < s1; ++s) {
+        const float* r = xp + b * plane + s * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) ap[c] += r[c];
+      }
+      double* dst = partial.data() + t * C;
+      for (int64_t c = 0; c < C; ++c) dst[c] = acc[c];
+    }
+  });
+
+  // pooled adapted state: GAP(ubar) = bias + wa . GAP(prev[::stride, ::stride]) (linear)
+  std::vector<float> lz_adapt;
+  if (adapt) {
+    std::vector<double> psub(B * Cp, 0.0);
+    const float* pvp = prev.data_ptr<float>();
+    at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> acc(Cp);
+      for (int64_t b = lo; b < hi; ++b) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t w = 0; w < W; ++w) {
+            const float* r = pvp + ((b * Hp + h * stride) * Wp + w * stride) * Cp;
+            for (int64_t c = 0; c < Cp; ++c) acc[c] += r[c];
+          }
+        for (int64_t c = 0; c < Cp; ++c) psub[b * Cp + c] = acc[c] / static_cast<double>(HW);
+      }
+    });
+    const int64_t di = Cp / G, dout = C / G;
+    lz_adapt.resize(B * G);
+    std::vector<double> pu_(C + 2 * pad, 0.0), ku(C);
+    double* pu = pu_.data() + pad;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < dout; ++c) {
+          double sacc = adj_b[g * dout + c];
+          for (int64_t i = 0; i < di; ++i)
+            sacc += static_cast<double>(wa_t[(g * di + i) * dout + c]) * psub[b * Cp + g * di + i];
+          pu[g * dout + c] = static_cast<float>(sacc);
+        }
+      std::fill(ku.begin(), ku.end(), 0.0);
+      for (int64_t j = 0; j < K; ++j)
+        for (int64_t c = 0; c < C; ++c) ku[c] += wkup[j] * pu[c + j - pad];
+      for (int64_t g = 0; g < G; ++g) {
+        double kk = 0;
+        for (int64_t d = 0; d < D; ++d) kk += ku[g * D + d] * ku[g * D + d];
+        double logit = std::sqrt(kk) * static_cast<float>(taup[g]);
+        if (clamp > 0) logit = std::min(logit, clamp);
+        lz_adapt[b * G + g] = static_cast<float>(logit);
+      }
+    }
+    lzp = lz_adapt.data();
+  }
+
+  // -- the per-head math, double precision --
+  at::Tensor log_z_new = at::empty({B, G}, x.options());
+  std::vector<float> beta(B * C), a(B * C);
+  const double log_eps = std::log(eps);
+  float* lznp = log_z_new.data_ptr<float>();
+  // p zero-padded by the ECA half-width on both sides
+  std::vector<double> pp_(C + 2 * pad, 0.0), q(C), k(C), hq(G), gate(G);
+  double* p = pp_.data() + pad;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < nchunks; ++j) {
+      const double* src = partial.data() + (b * nchunks + j) * C;
+      if (j == 0) {
+        for (int64_t c = 0; c < C; ++c) p[c] = src[c];
+      } else {
+        for (int64_t c = 0; c < C; ++c) p[c] += src[c];
+      }
+    }
+    // the eager path pools in float32: round like it before the ECA
+    for (int64_t c = 0; c < C; ++c) p[c] = static_cast<float>(p[c] / static_cast<double>(HW));
+    double* __restrict__ qp = q.data();
+    double* __restrict__ kp = k.data();
+    std::fill(qp, qp + C, 0.0);
+    std::fill(kp, kp + C, 0.0);
+    for (int64_t j = 0; j < K; ++j) {  // cross-correlation, taps outermost (vectorises)
+      const double cq = wqp[j], ck = wkp[j];
+      const double* __restrict__ src = p + j - pad;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) {
+        qp[c] += cq * src[c];
+        kp[c] += ck * src[c];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      double kk = 0, qk = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        kk += k[g * D + d] * k[g * D + d];
+        qk += q[g * D + d] * k[g * D + d];
+      }
+      const double kn = std::sqrt(kk);
+      // the eager path multiplies by the float32 temperatures
+      double logit = kn * static_cast<float>(taup[g]);
+      if (clamp > 0) logit = std::min(logit, clamp);
+      double lz = logit, bt = 1.0;
+      if (has_prev) {
+        lz = logaddexp(lzp[b * G + g], logit);
+        bt = std::exp(logit - lz);
+      }
+      lznp[b * G + g] = static_cast<float>(lz);
+      hq[g] = qk / std::max(kn, 1e-12);
+      gate[g] = sigmoid(lz - log_eps);  // z / (z + eps), times the gate below
+      for (int64_t d = 0; d < D; ++d) beta[b * C + g * D + d] = static_cast<float>(bt);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      double s = 0;
+      for (int64_t j = 0; j < G; ++j) s += php[g * G + j] * hq[j];
+      const double sc = sigmoid(s) * gate[g];
+      for (int64_t d = 0; d < D; ++d)
+        a[b * C + g * D + d] = static_cast<float>(sc * nsp[g * D + d]);
+    }
+  }
+
+  // -- pass 2: state rows and output rows, streamed --
+  at::Tensor mean = has_prev ? (reuse_prev ? prev : at::empty_like(x)) : x;
+  at::Tensor out = inplace_out ? x : at::empty_like(x);
+  const float* pp = has_prev ? prev.data_ptr<float>() : nullptr;
+  const int64_t pplane = Hp * Wp * Cp, prow = Wp * Cp;
+  // state row h of sample b into dst (scratch: one row, for the adapted state)
+  auto make_state_row = [&](int64_t b, int64_t h, float* dst, float* scratch) {
+    const float* bt = beta.data() + b * C;
+    const float* xr = xp + b * plane + h * W * C;
+    if (adapt) {
+      adjust_row(pp + b * pplane + h * stride * prow, wa_t.data(), adj_b, scratch, W, C, Cp, G,
+                 stride);
+      lerp_row(scratch, xr, bt, dst, W, C);
+    } else {
+      lerp_row(pp + b * plane + h * W * C, xr, bt, dst, W, C);
+    }
+  };
+  float* mp = mean.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* wtp = wt.data();
+  const int64_t row = W * C;
+  // bands of rows per sample, so that small batches use every thread
+  const int64_t threads = at::get_num_threads();
+  const int64_t bands = std::max<int64_t>(
+      1, std::min<int64_t>(H / 4, (2 * threads + B - 1) / B));
+  const int64_t band_h = (H + bands - 1) / bands;
+  const int64_t nb_tasks = (H + band_h - 1) / band_h;
+  // state rows just outside each band, computed before any band writes in place
+  std::vector<float> halo(has_prev ? B * nb_tasks * 2 * row : 0);
+  if (has_prev && nb_tasks > 1) {
+    at::parallel_for(0, B * nb_tasks, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scratch(adapt ? row : 0);
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t b = t / nb_tasks, j = t % nb_tasks;
+        const int64_t h0 = j * band_h, h1 = std::min(H, h0 + band_h);
+        if (h0 > 0) make_state_row(b, h0 - 1, halo.data() + (t * 2) * row, scratch.data());
+        if (h1 < H) make_state_row(b, h1, halo.data() + (t * 2 + 1) * row, scratch.data());
+      }
+    });
+  }
+  at::parallel_for(0, B * nb_tasks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scratch(adapt ? row : 0);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / nb_tasks, j = t % nb_tasks;
+      const int64_t h0 = j * band_h, h1 = std::min(H, h0 + band_h);
+      const float* xb = xp + b * plane;
+      float* mb = mp + b * plane;
+      float* ob = op + b * plane;
+      auto state_row = [&](int64_t h) {
+        if (has_prev) make_state_row(b, h, mb + h * row, scratch.data());
+      };
+      auto mean_row = [&](int64_t h) -> const float* {
+        if (h < 0 || h >= H) return nullptr;
+        if (has_prev && nb_tasks > 1 && h < h0) return halo.data() + (t * 2) * row;
+        if (has_prev && nb_tasks > 1 && h >= h1) return halo.data() + (t * 2 + 1) * row;
+        return mb + h * row;
+      };
+      state_row(h0);
+      for (int64_t h = h0; h < h1; ++h) {
+        if (h + 1 < h1) state_row(h + 1);
+        const float* rows[3] = {mean_row(h - 1), mean_row(h), mean_row(h + 1)};
+        conv_row(rows, xb + h * row, ob + h * row, wtp, a.data() + b * C, nbp, W, C);
+      }
+    }
+  });
+  return std::make_tuple(out, mean, log_z_new);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kcla_mm, m) {
+  m.def(
+      "eval_step(Tensor x, Tensor? prev, Tensor? log_z, Tensor wq, Tensor wk, Tensor inv_tau, "
+      "Tensor phi, Tensor wv, Tensor norm_scale, Tensor norm_shift, Tensor? adj_w, Tensor? adj_b, "
+      "Tensor? wk_u, int stride, float clamp, float eps, "
+      "bool reuse_prev, bool inplace_out) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) { m.impl("eval_step", &eval_step); }
