@@ -52,6 +52,7 @@ import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
                                build_backbone, count_flops, load_results, markdown_table, plot, run)
+from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
              repeats=1, warmup=0, threads=1, inner=1)
@@ -234,6 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
                                  'and input'),
         'per block: (time - plain ResNet time) / blocks, ms; ratios (x) to the plain ResNet '
         'of the same depth in this run',
+        'KCLA eval forward on CPU: ' + (
+            'fused CPU kernel (torch.ops.kcla_mm.eval_step)' if device.type == 'cpu'
+            and cpu_kernels.available() else 'eager ops') + '; training steps: eager ops',
     ]
     for line in header:
         print(line)
