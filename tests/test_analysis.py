@@ -310,7 +310,7 @@ def test_kcla_state_update_counts_the_same_in_place(monkeypatch):
         model(*x)  # fills the cached eval BN fold, so both counts skip it
         in_place = A.flop_analyzer(model, x).total('layer1_attn.1')
         forward = KCLA.forward
-        monkeypatch.setattr(KCLA, 'forward', lambda self, x, state=None, reuse_state=False:
+        monkeypatch.setattr(KCLA, 'forward', lambda self, x, state=None, **reuse:
                             forward(self, x, state))
         allocating = A.flop_analyzer(model, x).total('layer1_attn.1')
     assert in_place == allocating > 0
