@@ -26,7 +26,11 @@ from typing import Optional
 
 import torch
 
-_SOURCE = Path(__file__).with_name('csrc') / 'kcla_eval_cpu.cpp'
+_CSRC = Path(__file__).with_name('csrc')
+_SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
+_HEADERS = (_CSRC / 'kcla_cpu.h', )
+#: the ops the build registers under ``torch.ops.kcla_mm``
+OPS = ('eval_step', 'train_stats', 'train_apply', 'train_grad_stats', 'train_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 
@@ -50,7 +54,8 @@ def _cpu_tag() -> str:
                 break
     except OSError:
         pass
-    key = '|'.join((flags, platform.machine(), torch.__version__, _SOURCE.read_text()))
+    key = '|'.join((flags, platform.machine(), torch.__version__)
+                   + tuple(p.read_text() for p in _SOURCES + _HEADERS))
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -60,12 +65,12 @@ def _build(verbose: bool = False) -> None:
     if platform.machine() in ('x86_64', 'AMD64', 'aarch64', 'arm64'):
         flags.append('-march=native' if platform.machine() in ('x86_64', 'AMD64')
                      else '-mcpu=native')
-    load(name=f'kcla_mm_cpu_{_cpu_tag()}', sources=[str(_SOURCE)], extra_cflags=flags,
+    load(name=f'kcla_mm_cpu_{_cpu_tag()}', sources=[str(p) for p in _SOURCES], extra_cflags=flags,
          extra_ldflags=['-fopenmp'], is_python_module=False, verbose=verbose)
 
 
 def available(build: bool = True) -> bool:
-    """Whether ``torch.ops.kcla_mm.eval_step`` can be called (builds it on first use).
+    """Whether the ops of ``torch.ops.kcla_mm`` can be called (builds them on first use).
 
     Raises:
         RuntimeError: the build failed and ``KCLA_MM_CPU_KERNELS=require``.
@@ -80,7 +85,7 @@ def available(build: bool = True) -> bool:
         if 'ok' not in _STATE:
             try:
                 _build()
-                _STATE['ok'] = hasattr(torch.ops.kcla_mm, 'eval_step')
+                _STATE['ok'] = all(hasattr(torch.ops.kcla_mm, op) for op in OPS)
             except Exception as e:  # compiler missing, ninja missing, build error
                 _STATE['ok'] = False
                 _STATE['error'] = e
@@ -103,4 +108,4 @@ if __name__ == '__main__':
     os.environ.setdefault('KCLA_MM_CPU_KERNELS', 'require')
     _build(verbose=True)
     print('kcla_mm: fused CPU kernels built and loaded:',
-          hasattr(torch.ops.kcla_mm, 'eval_step'))
+          all(hasattr(torch.ops.kcla_mm, op) for op in OPS))

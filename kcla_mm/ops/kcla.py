@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu_kernels
+from . import cpu_kernels, fused_tail_cpu
 from ._common import (BlockPosition, DropPath, NormLayer, _cached_norm_affine, check_batch,
                       check_drop_path, check_heads, check_input, compute_dtype, eca, eca_conv,
                       fold_norm, per_channel, pooled_qk, value_conv)
@@ -337,7 +337,11 @@ class KCLA(nn.Module):
         # trace the autograd.grad call inside _RecomputedTail.backward.
         if (self.training and torch.is_grad_enabled() and _recomputable(self.norm)
                 and not _compiling()):
-            out, mean = _RecomputedTail.apply(self, *args)
+            if (FUSED_TRAINING and fused_tail_cpu.applicable(self.norm, x, prev, self.wv.weight)
+                    and cpu_kernels.available()):
+                out, mean = fused_tail_cpu.FusedTail.apply(self, *args)
+            else:
+                out, mean = _RecomputedTail.apply(self, *args)
         else:
             reuse = (reuse_state and prev is not None and not torch.is_grad_enabled()
                      and prev is not x and prev.stride() == x.stride())
@@ -396,6 +400,9 @@ class KCLA(nn.Module):
 #: use the hand-derived backward of the recomputed tail where it applies
 #: (tests switch it off to check the autograd replay that autocast uses).
 ANALYTIC_BACKWARD = True
+#: train with the fused CPU kernels where they apply (tests switch it off to
+#: compare with the recomputed tail).
+FUSED_TRAINING = True
 
 
 def _compiling() -> bool:
@@ -513,6 +520,8 @@ class _SavedOutput:
 def _unpack(saved):
     if isinstance(saved, _SavedOutput):
         ctx = saved.node
+        if isinstance(ctx, fused_tail_cpu.FusedTail._backward_cls):
+            return fused_tail_cpu.recompute_output(ctx)
         if ctx.analytic:
             return _parts(ctx).output()
         return _recomputed(ctx)[1].detach()
@@ -624,7 +633,8 @@ def saved_output_hooks(y: Tensor):
     if _compiling() or not torch.is_grad_enabled():
         return contextlib.nullcontext()
     node = y.grad_fn
-    if not isinstance(node, _RecomputedTail._backward_cls):
+    if not isinstance(node, (_RecomputedTail._backward_cls,
+                             fused_tail_cpu.FusedTail._backward_cls)):
         return contextlib.nullcontext()
     top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
     if top is not None and top(False) is not None:

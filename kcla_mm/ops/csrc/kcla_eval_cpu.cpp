@@ -24,35 +24,11 @@
 #include <cstring>
 #include <vector>
 
+#include "kcla_cpu.h"
+
 namespace {
 
-constexpr int64_t VL = 16;  // floats per vector (one AVX-512 register, two AVX2)
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(vf));
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
-inline vf splat(float s) { return vf{} + s; }  // one broadcast (a lane loop is not)
-
-// mean_row[w, c] = prev_row[w, c] + beta[c] * (x_row[w, c] - prev_row[w, c])
-// (torch.lerp's formula for weights below 0.5, the other branch above it)
-void lerp_row(const float* prev, const float* x, const float* beta, float* out, int64_t W,
-              int64_t C) {
-  for (int64_t w = 0; w < W; ++w) {
-    const float* p = prev + w * C;
-    const float* xx = x + w * C;
-    float* o = out + w * C;
-#pragma omp simd
-    for (int64_t c = 0; c < C; ++c) {
-      const float b = beta[c];
-      const float d = xx[c] - p[c];
-      o[c] = b < 0.5f ? p[c] + b * d : xx[c] - d * (1.0f - b);
-    }
-  }
-}
+using namespace kcla_cpu;
 
 // One row of the adapted state of an init layer (spec section 5):
 // ubar[w, c] = bias[c] + sum_i wa[c, i] * src[w * stride, g(c) * di + i]
@@ -138,97 +114,12 @@ void adjust_row(const float* src, const float* wa_t, const float* bias, float* o
   }
 }
 
-// NW output pixels w0..w0+NW-1 of one vector of channels c0..c0+VL-1:
-// out = x + relu(a * conv3x3 + shift). The weights of the vector stay in
-// registers, each input vector is loaded once for the NW outputs.
-template <int NW>
-inline void conv_tile(const float* const rows[3], const float* x, float* out, const vf k[9],
-                      vf va, vf vs, int64_t w0, int64_t W, int64_t C, int64_t c0) {
-  const vf zero = splat(0.f);
-  vf acc[NW];
-  for (int j = 0; j < NW; ++j) acc[j] = zero;
-  for (int i = 0; i < 3; ++i) {
-    const float* r = rows[i];
-    if (r == nullptr) continue;
-    vf in[NW + 2];
-    for (int j = 0; j < NW + 2; ++j) {
-      const int64_t w = w0 - 1 + j;
-      in[j] = (w >= 0 && w < W) ? load(r + w * C + c0) : zero;
-    }
-    for (int j = 0; j < NW; ++j)
-      acc[j] += k[3 * i] * in[j] + k[3 * i + 1] * in[j + 1] + k[3 * i + 2] * in[j + 2];
-  }
-  for (int j = 0; j < NW; ++j) {
-    const int64_t o = (w0 + j) * C + c0;
-    vf v = va * acc[j] + vs;
-    v = v > zero ? v : zero;
-    store(out + o, load(x + o) + v);
-  }
-}
-
-// out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero padding.
-// wt: [9, C] (tap-major), a, shift: [C]. Tiles of 4 pixels, all channels of a
-// tile before the next, so the accesses run along memory.
-void conv_row(const float* const rows[3], const float* x, float* out, const float* wt,
-              const float* a, const float* shift, int64_t W, int64_t C) {
-  constexpr int NW = 4;
-  const int64_t cv = C - C % VL;
-  for (int64_t w0 = 0; w0 < W; w0 += NW) {
-    const int64_t nw = std::min<int64_t>(NW, W - w0);
-    for (int64_t c0 = 0; c0 < cv; c0 += VL) {
-      vf k[9];
-      for (int i = 0; i < 9; ++i) k[i] = load(wt + i * C + c0);
-      const vf va = load(a + c0), vs = load(shift + c0);
-      if (nw == NW) {
-        conv_tile<NW>(rows, x, out, k, va, vs, w0, W, C, c0);
-      } else {
-        for (int64_t w = w0; w < w0 + nw; ++w) conv_tile<1>(rows, x, out, k, va, vs, w, W, C, c0);
-      }
-    }
-  }
-  for (int64_t c = cv; c < C; ++c) {  // channels past the last full vector
-    for (int64_t w = 0; w < W; ++w) {
-      float acc = 0.f;
-      for (int i = 0; i < 3; ++i) {
-        const float* r = rows[i];
-        if (r == nullptr) continue;
-        if (w > 0) acc += wt[(3 * i) * C + c] * r[(w - 1) * C + c];
-        acc += wt[(3 * i + 1) * C + c] * r[w * C + c];
-        if (w + 1 < W) acc += wt[(3 * i + 2) * C + c] * r[(w + 1) * C + c];
-      }
-      const float o = a[c] * acc + shift[c];
-      out[w * C + c] = x[w * C + c] + (o > 0.f ? o : 0.f);
-    }
-  }
-}
-
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
 
 double logaddexp(double a, double b) {
   const double m = std::max(a, b);
   if (std::isinf(m) && m < 0) return m;
   return m + std::log1p(std::exp(-std::abs(a - b)));
-}
-
-void check_map(const at::Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
-              "kcla_mm eval_step: ", name, " must be a CPU float32 tensor, got ", t.device(),
-              " ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, "kcla_mm eval_step: ", name, " has shape ", t.sizes(),
-              ", expected ", shape);
-  TORCH_CHECK(t.is_contiguous(at::MemoryFormat::ChannelsLast),
-              "kcla_mm eval_step: ", name, " must be channels-last contiguous");
-}
-
-// the data of a small parameter tensor: CPU, contiguous, n elements of type T
-template <typename T>
-const T* param(const at::Tensor& t, int64_t n, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == c10::CppTypeToScalarType<T>::value &&
-                  t.is_contiguous() && t.numel() == n,
-              "kcla_mm eval_step: ", name, " must be a contiguous CPU ",
-              c10::CppTypeToScalarType<T>::value, " tensor of ", n, " elements, got ",
-              t.scalar_type(), " of shape ", t.sizes());
-  return t.data_ptr<T>();
 }
 
 // Returns (out, new mean, new log z [B, G] float32).
@@ -242,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
     bool reuse_prev, bool inplace_out) {
   TORCH_CHECK(x.dim() == 4, "kcla_mm eval_step: x must be [B, C, H, W], got ", x.sizes());
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-  check_map(x, "x", x.sizes());
+  check_map("eval_step", x, "x", x.sizes());
   const int64_t G = inv_tau.numel();
   TORCH_CHECK(G > 0 && C % G == 0, "kcla_mm eval_step: ", C, " channels, ", G, " heads");
   const int64_t D = C / G;
@@ -263,9 +154,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
                       Cp % G == 0,
                   "kcla_mm eval_step: a state of shape ", prev.sizes(), " with stride ", stride,
                   " does not adapt to ", x.sizes());
-      check_map(prev, "prev", prev.sizes());
+      check_map("eval_step", prev, "prev", prev.sizes());
     } else {
-      check_map(prev, "prev", x.sizes());
+      check_map("eval_step", prev, "prev", x.sizes());
       TORCH_CHECK(log_z_opt.has_value() && log_z_opt->numel() == B * G,
                   "kcla_mm eval_step: log_z must be [B, G] with the state");
     }
@@ -277,33 +168,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
   TORCH_CHECK(!(inplace_out && !has_prev),
               "kcla_mm eval_step: without a state the new state is x; the output cannot "
               "be written into it");
-  const float* wqp = param<float>(wq, K, "wq");
-  const float* wkp = param<float>(wk, K, "wk");
-  const double* taup = param<double>(inv_tau, G, "inv_tau");
-  const float* php = param<float>(phi, G * G, "phi");
-  const float* wvp = param<float>(wv, C * 9, "wv");
-  const float* nsp = param<float>(norm_scale, C, "norm_scale");
-  const float* nbp = param<float>(norm_shift, C, "norm_shift");
+  const float* wqp = param<float>("eval_step", wq, K, "wq");
+  const float* wkp = param<float>("eval_step", wk, K, "wk");
+  const double* taup = param<double>("eval_step", inv_tau, G, "inv_tau");
+  const float* php = param<float>("eval_step", phi, G * G, "phi");
+  const float* wvp = param<float>("eval_step", wv, C * 9, "wv");
+  const float* nsp = param<float>("eval_step", norm_scale, C, "norm_scale");
+  const float* nbp = param<float>("eval_step", norm_shift, C, "norm_shift");
   const float* lzp = nullptr;
-  if (has_prev && !adapt) lzp = param<float>(*log_z_opt, B * G, "log_z");
+  if (has_prev && !adapt) lzp = param<float>("eval_step", *log_z_opt, B * G, "log_z");
   std::vector<float> wa_t;  // adjust weights per head as [G, di, dout]
   const float *adj_b = nullptr, *wkup = nullptr;
   if (adapt) {
     const int64_t di = Cp / G, dout = C / G;
-    const float* wa = param<float>(*adj_w_opt, C * di, "adj_w");
+    const float* wa = param<float>("eval_step", *adj_w_opt, C * di, "adj_w");
     TORCH_CHECK(adj_b_opt.has_value() && wk_u_opt.has_value(),
                 "kcla_mm eval_step: adj_w needs adj_b and wk_u");
-    adj_b = param<float>(*adj_b_opt, C, "adj_b");
-    wkup = param<float>(*wk_u_opt, K, "wk_u");
+    adj_b = param<float>("eval_step", *adj_b_opt, C, "adj_b");
+    wkup = param<float>("eval_step", *wk_u_opt, K, "wk_u");
     wa_t.resize(C * di);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t c = 0; c < dout; ++c)
         for (int64_t i = 0; i < di; ++i)
           wa_t[(g * di + i) * dout + c] = wa[(g * dout + c) * di + i];
   }
-  std::vector<float> wt(9 * C);  // [9, C], tap-major
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t i = 0; i < 9; ++i) wt[i * C + c] = wvp[c * 9 + i];
+  const std::vector<float> wt = taps(wvp, C);  // [9, C], tap-major
   const int64_t HW = H * W, plane = HW * C;
   const float* xp = x.data_ptr<float>();
 
@@ -454,11 +343,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
   const float* wtp = wt.data();
   const int64_t row = W * C;
   // bands of rows per sample, so that small batches use every thread
-  const int64_t threads = at::get_num_threads();
-  const int64_t bands = std::max<int64_t>(
-      1, std::min<int64_t>(H / 4, (2 * threads + B - 1) / B));
-  const int64_t band_h = (H + bands - 1) / bands;
-  const int64_t nb_tasks = (H + band_h - 1) / band_h;
+  const std::pair<int64_t, int64_t> bands = bands_of(B, H);
+  const int64_t band_h = bands.first, nb_tasks = bands.second;
   // state rows just outside each band, computed before any band writes in place
   std::vector<float> halo(has_prev ? B * nb_tasks * 2 * row : 0);
   if (has_prev && nb_tasks > 1) {

@@ -1,0 +1,181 @@
+// Pieces shared by the fused KCLA CPU kernels (float32, channels-last maps).
+//
+// A feature map [B, C, H, W] in channels-last order is, per sample, H rows of
+// W pixels of C contiguous channels. The kernels stream over rows and keep the
+// three rows the depthwise 3x3 value convolution reads in cache; within a row
+// they work in tiles of up to 4 pixels by one vector of channels, with the
+// vector's 9 weights in registers. Every tile function is written once for a
+// lane type ``L`` (16-wide GCC vectors for the full vectors of channels, plain
+// floats for the channels past the last full vector).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace kcla_cpu {
+
+constexpr int64_t VL = 16;  // floats per vector (one AVX-512 register, two AVX2)
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+
+struct VecLanes {  // a full vector of VL channels
+  using V = vf;
+  static constexpr int64_t n = VL;
+  static V load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+  }
+  static void store(float* p, V v) { std::memcpy(p, &v, sizeof(V)); }
+  static V splat(float s) { return V{} + s; }  // one broadcast (a lane loop is not)
+};
+
+struct OneLane {  // one channel
+  using V = float;
+  static constexpr int64_t n = 1;
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V splat(float s) { return s; }
+};
+
+using Vec = VecLanes;
+inline vf load(const float* p) { return Vec::load(p); }
+inline void store(float* p, vf v) { Vec::store(p, v); }
+inline vf splat(float s) { return Vec::splat(s); }
+
+// Calls f(L{}, std::integral_constant<int, NW>{}, w0, c0) for every tile of a
+// row of W pixels and C channels: NW = 4 pixels from w0 (NW = 1 at the row's
+// end), the channels c0 .. c0 + L::n - 1. Pixel tiles outermost, so that the
+// accesses run along memory.
+template <class L, class F>
+inline void row_tiles_of(int64_t W, int64_t c_lo, int64_t c_hi, F& f) {
+  for (int64_t w0 = 0; w0 < W; w0 += 4) {
+    const int64_t nw = std::min<int64_t>(4, W - w0);
+    for (int64_t c0 = c_lo; c0 + L::n <= c_hi; c0 += L::n) {
+      if (nw == 4) {
+        f(L{}, std::integral_constant<int, 4>{}, w0, c0);
+      } else {
+        for (int64_t w = w0; w < w0 + nw; ++w) f(L{}, std::integral_constant<int, 1>{}, w, c0);
+      }
+    }
+  }
+}
+
+template <class F>
+inline void row_tiles(int64_t W, int64_t C, F&& f) {
+  const int64_t cv = C - C % VL;
+  row_tiles_of<VecLanes>(W, 0, cv, f);
+  row_tiles_of<OneLane>(W, cv, C, f);
+}
+
+// The 9 taps of channels c0.. from wt [9, C] (tap-major).
+template <class L>
+inline void load_taps(const float* wt, int64_t C, int64_t c0, typename L::V k[9]) {
+  for (int i = 0; i < 9; ++i) k[i] = L::load(wt + i * C + c0);
+}
+
+// acc[j] = (k * rows)(w0 + j) for channels c0..: the depthwise 3x3 convolution
+// (cross-correlation, zero padding) at NW pixels; rows[i] is the row of the
+// i-th tap row, null outside the map. Each input vector is loaded once.
+template <class L, int NW>
+inline void conv_acc(const float* const rows[3], const typename L::V k[9], int64_t w0,
+                     int64_t W, int64_t C, int64_t c0, typename L::V acc[NW]) {
+  using V = typename L::V;
+  const V zero = L::splat(0.f);
+  for (int j = 0; j < NW; ++j) acc[j] = zero;
+  for (int i = 0; i < 3; ++i) {
+    const float* r = rows[i];
+    if (r == nullptr) continue;
+    V in[NW + 2];
+    for (int j = 0; j < NW + 2; ++j) {
+      const int64_t w = w0 - 1 + j;
+      in[j] = (w >= 0 && w < W) ? L::load(r + w * C + c0) : zero;
+    }
+    for (int j = 0; j < NW; ++j)
+      acc[j] += k[3 * i] * in[j] + k[3 * i + 1] * in[j + 1] + k[3 * i + 2] * in[j + 2];
+  }
+}
+
+// mean_row[w, c] = prev_row[w, c] + beta[c] * (x_row[w, c] - prev_row[w, c])
+// (torch.lerp's formula for weights below 0.5, the other branch above it)
+inline void lerp_row(const float* prev, const float* x, const float* beta, float* out,
+                     int64_t W, int64_t C) {
+  for (int64_t w = 0; w < W; ++w) {
+    const float* p = prev + w * C;
+    const float* xx = x + w * C;
+    float* o = out + w * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) {
+      const float b = beta[c];
+      const float d = xx[c] - p[c];
+      o[c] = b < 0.5f ? p[c] + b * d : xx[c] - d * (1.0f - b);
+    }
+  }
+}
+
+// out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero
+// padding; wt: [9, C] (tap-major), a, shift: [C].
+inline void conv_row(const float* const rows[3], const float* x, float* out, const float* wt,
+                     const float* a, const float* shift, int64_t W, int64_t C) {
+  row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+    using L = decltype(lanes);
+    using V = typename L::V;
+    constexpr int NW = decltype(nw)::value;
+    V k[9], acc[NW];
+    load_taps<L>(wt, C, c0, k);
+    conv_acc<L, NW>(rows, k, w0, W, C, c0, acc);
+    const V va = L::load(a + c0), vs = L::load(shift + c0), zero = L::splat(0.f);
+    for (int j = 0; j < NW; ++j) {
+      const int64_t o = (w0 + j) * C + c0;
+      V v = va * acc[j] + vs;
+      v = v > zero ? v : zero;
+      L::store(out + o, L::load(x + o) + v);
+    }
+  });
+}
+
+// wv [C, 1, 3, 3] as [9, C], tap-major; flipped: tap 8 - i (the transposed
+// convolution of the backward pass).
+inline std::vector<float> taps(const float* wv, int64_t C, bool flipped = false) {
+  std::vector<float> wt(9 * C);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < 9; ++i) wt[i * C + c] = wv[c * 9 + (flipped ? 8 - i : i)];
+  return wt;
+}
+
+inline void check_map(const char* op, const at::Tensor& t, const char* name,
+                      at::IntArrayRef shape) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "kcla_mm ", op, ": ", name,
+              " must be a CPU float32 tensor, got ", t.device(), " ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, "kcla_mm ", op, ": ", name, " has shape ", t.sizes(),
+              ", expected ", shape);
+  TORCH_CHECK(t.is_contiguous(at::MemoryFormat::ChannelsLast), "kcla_mm ", op, ": ", name,
+              " must be channels-last contiguous");
+}
+
+// the data of a small parameter tensor: CPU, contiguous, n elements of type T
+template <typename T>
+const T* param(const char* op, const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == c10::CppTypeToScalarType<T>::value &&
+                  t.is_contiguous() && t.numel() == n,
+              "kcla_mm ", op, ": ", name, " must be a contiguous CPU ",
+              c10::CppTypeToScalarType<T>::value, " tensor of ", n, " elements, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  return t.data_ptr<T>();
+}
+
+// Bands of rows per sample, so that small batches use every thread: returns
+// (rows per band, bands).
+inline std::pair<int64_t, int64_t> bands_of(int64_t B, int64_t H) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t bands =
+      std::max<int64_t>(1, std::min<int64_t>(H / 4, (2 * threads + B - 1) / B));
+  const int64_t band_h = (H + bands - 1) / bands;
+  return {band_h, (H + band_h - 1) / band_h};
+}
+
+}  // namespace kcla_cpu

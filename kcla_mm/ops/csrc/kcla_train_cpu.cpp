@@ -1,0 +1,408 @@
+// Fused training step of KCLA's feature-map part on the CPU (float32, channels-last).
+//
+// The tail of a KCLA step (kcla_mm/ops/kcla.py, KCLA.tail) with a training-mode
+// BatchNorm, batch statistics and all:
+//   mean = lerp(prev, x, beta)           v = Wv * mean  (depthwise 3x3)
+//   s = scale v   o = BN(s)   out = x + keep relu(o)
+// The Python side (_FusedTail) does the [B, C]-sized algebra in double
+// precision; these four ops are the passes over the feature maps:
+//   train_stats       mean, and per (sample, channel) sum v and sum v^2
+//   train_apply       out = x + relu(a v + shift)   (a, shift per sample and
+//                     channel: BatchNorm, gate and drop-path mask folded)
+//   train_grad_stats  per (sample, channel) sum g and sum g v, g = dL/do
+//   train_backward    gx, gprev, sum over pixels of gm (x - prev), dL/dWv,
+//                     and the sums of train_grad_stats again
+// v is never stored: every pass recomputes it from the rows of mean, which
+// stay in cache. Reductions go through per-task partial sums in double,
+// combined in a fixed order, so results do not depend on the thread count's
+// scheduling.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "kcla_cpu.h"
+
+namespace {
+
+using namespace kcla_cpu;
+
+struct Maps {
+  int64_t B, C, H, W, row, plane;
+};
+
+Maps maps_of(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
+  check_map(op, x, "x", x.sizes());
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  return {B, C, H, W, W * C, H * W * C};
+}
+
+// Bands of rows of every sample, run in parallel: body(b, h0, h1, task).
+struct Bands {
+  int64_t H, band_h, per_sample, tasks;
+  Bands(int64_t B, int64_t H_) : H(H_) {
+    const std::pair<int64_t, int64_t> bh = bands_of(B, H);
+    band_h = bh.first;
+    per_sample = bh.second;
+    tasks = B * per_sample;
+  }
+  int64_t sample(int64_t task) const { return task / per_sample; }
+  template <class F>
+  void run(F&& body) const {
+    at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t h0 = (t % per_sample) * band_h;
+        body(t / per_sample, h0, std::min(H, h0 + band_h), t);
+      }
+    });
+  }
+  // per-task partial sums [tasks, n] -> per-sample sums [B, n] (a new tensor)
+  at::Tensor per_sample_sums(const std::vector<double>& partial, int64_t B, int64_t n) const {
+    at::Tensor out = at::zeros({B, n}, at::kDouble);
+    double* o = out.data_ptr<double>();
+    for (int64_t t = 0; t < tasks; ++t)
+      for (int64_t i = 0; i < n; ++i) o[sample(t) * n + i] += partial[t * n + i];
+    return out;
+  }
+};
+
+// the gradient at the ReLU's input: g = dL/do = gy keep [a v + shift > 0]
+// (the same expression as conv_row's, so the mask is the forward's bit for bit)
+template <class L>
+inline typename L::V relu_grad(typename L::V acc, typename L::V va, typename L::V vs,
+                               typename L::V gy, typename L::V keep) {
+  const typename L::V zero = L::splat(0.f);
+  const typename L::V z = va * acc + vs;
+  return z > zero ? gy * keep : zero;
+}
+
+const float* opt_param(const char* op, const c10::optional<at::Tensor>& t, int64_t n,
+                       const char* name) {
+  return t.has_value() && t->defined() ? param<float>(op, *t, n, name) : nullptr;
+}
+
+// Returns (mean, or an empty tensor without prev: then mean is x; sums [B, 2, C]
+// float64: sum over pixels of v, of v^2).
+std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
+                                               const c10::optional<at::Tensor>& prev_opt,
+                                               const c10::optional<at::Tensor>& beta_opt,
+                                               const at::Tensor& wv) {
+  const char* op = "train_stats";
+  const Maps m = maps_of(op, x);
+  const int64_t C = m.C, H = m.H, W = m.W, row = m.row;
+  const bool has_prev = prev_opt.has_value() && prev_opt->defined();
+  if (has_prev) check_map(op, *prev_opt, "prev", x.sizes());
+  const float* betap = opt_param(op, beta_opt, m.B * C, "beta");
+  TORCH_CHECK(has_prev == (betap != nullptr), "kcla_mm ", op, ": prev and beta go together");
+  const std::vector<float> wt = taps(param<float>(op, wv, C * 9, "wv"), C);
+  at::Tensor mean = has_prev ? at::empty_like(x) : at::empty({0}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = has_prev ? prev_opt->data_ptr<float>() : nullptr;
+  float* mp = has_prev ? mean.data_ptr<float>() : nullptr;
+  const Bands bands(m.B, H);
+  std::vector<double> partial(bands.tasks * 2 * C, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    // the state rows just outside the band, computed here as well
+    std::vector<float> halo(has_prev ? 2 * row : 0), s1(C), s2(C);
+    const float* xb = xp + b * m.plane;
+    float* mb = has_prev ? mp + b * m.plane : nullptr;
+    auto state_row = [&](int64_t h, float* dst) {
+      lerp_row(pp + b * m.plane + h * row, xb + h * row, betap + b * C, dst, W, C);
+    };
+    auto mean_row = [&](int64_t h) -> const float* {
+      if (h < 0 || h >= H) return nullptr;
+      if (!has_prev) return xb + h * row;
+      if (h < h0) return halo.data();
+      if (h >= h1) return halo.data() + row;
+      return mb + h * row;
+    };
+    if (has_prev) {
+      if (h0 > 0) state_row(h0 - 1, halo.data());
+      if (h1 < H) state_row(h1, halo.data() + row);
+      state_row(h0, mb + h0 * row);
+    }
+    double* acc = partial.data() + t * 2 * C;
+    for (int64_t h = h0; h < h1; ++h) {
+      if (has_prev && h + 1 < h1) state_row(h + 1, mb + (h + 1) * row);
+      const float* rows[3] = {mean_row(h - 1), mean_row(h), mean_row(h + 1)};
+      std::fill(s1.begin(), s1.end(), 0.f);
+      std::fill(s2.begin(), s2.end(), 0.f);
+      row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+        using L = decltype(lanes);
+        using V = typename L::V;
+        constexpr int NW = decltype(nw)::value;
+        V k[9], v[NW];
+        load_taps<L>(wt.data(), C, c0, k);
+        conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
+        V a1 = L::load(s1.data() + c0), a2 = L::load(s2.data() + c0);
+        for (int j = 0; j < NW; ++j) {
+          a1 += v[j];
+          a2 += v[j] * v[j];
+        }
+        L::store(s1.data() + c0, a1);
+        L::store(s2.data() + c0, a2);
+      });
+      for (int64_t c = 0; c < C; ++c) {
+        acc[c] += s1[c];
+        acc[C + c] += s2[c];
+      }
+    }
+  });
+  return std::make_tuple(mean, bands.per_sample_sums(partial, m.B, 2 * C).view({m.B, 2, C}));
+}
+
+// out = x + relu(a * Wv(mean) + shift), a and shift [B, C].
+at::Tensor train_apply(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& wv,
+                       const at::Tensor& a, const at::Tensor& shift) {
+  const char* op = "train_apply";
+  const Maps m = maps_of(op, x);
+  check_map(op, mean, "mean", x.sizes());
+  const int64_t C = m.C, H = m.H, row = m.row;
+  const std::vector<float> wt = taps(param<float>(op, wv, C * 9, "wv"), C);
+  const float* ap = param<float>(op, a, m.B * C, "a");
+  const float* sp = param<float>(op, shift, m.B * C, "shift");
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* mp = mean.data_ptr<float>();
+  float* op_ = out.data_ptr<float>();
+  Bands(m.B, H).run([&](int64_t b, int64_t h0, int64_t h1, int64_t) {
+    const float* mb = mp + b * m.plane;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* rows[3] = {h > 0 ? mb + (h - 1) * row : nullptr, mb + h * row,
+                              h + 1 < H ? mb + (h + 1) * row : nullptr};
+      conv_row(rows, xp + b * m.plane + h * row, op_ + b * m.plane + h * row, wt.data(),
+               ap + b * C, sp + b * C, m.W, C);
+    }
+  });
+  return out;
+}
+
+// Returns [B, 2, C] float64: sum over pixels of g, of g v, g = dL/do.
+at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const at::Tensor& wv,
+                            const at::Tensor& a, const at::Tensor& shift,
+                            const c10::optional<at::Tensor>& keep_opt) {
+  const char* op = "train_grad_stats";
+  const Maps m = maps_of(op, mean);
+  check_map(op, gy, "gy", mean.sizes());
+  const int64_t C = m.C, H = m.H, W = m.W, row = m.row;
+  const std::vector<float> wt = taps(param<float>(op, wv, C * 9, "wv"), C);
+  const float* ap = param<float>(op, a, m.B * C, "a");
+  const float* sp = param<float>(op, shift, m.B * C, "shift");
+  const float* kp = opt_param(op, keep_opt, m.B, "keep");
+  const float* gp = gy.data_ptr<float>();
+  const float* mp = mean.data_ptr<float>();
+  const Bands bands(m.B, H);
+  std::vector<double> partial(bands.tasks * 2 * C, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    std::vector<float> r1(C), r2(C);
+    const float* mb = mp + b * m.plane;
+    const float keep = kp ? kp[b] : 1.f;
+    double* acc = partial.data() + t * 2 * C;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* rows[3] = {h > 0 ? mb + (h - 1) * row : nullptr, mb + h * row,
+                              h + 1 < H ? mb + (h + 1) * row : nullptr};
+      const float* gr = gp + b * m.plane + h * row;
+      std::fill(r1.begin(), r1.end(), 0.f);
+      std::fill(r2.begin(), r2.end(), 0.f);
+      row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+        using L = decltype(lanes);
+        using V = typename L::V;
+        constexpr int NW = decltype(nw)::value;
+        V k[9], v[NW];
+        load_taps<L>(wt.data(), C, c0, k);
+        conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
+        const V va = L::load(ap + b * C + c0), vs = L::load(sp + b * C + c0);
+        const V vk = L::splat(keep);
+        V a1 = L::load(r1.data() + c0), a2 = L::load(r2.data() + c0);
+        for (int j = 0; j < NW; ++j) {
+          const V g = relu_grad<L>(v[j], va, vs, L::load(gr + (w0 + j) * C + c0), vk);
+          a1 += g;
+          a2 += g * v[j];
+        }
+        L::store(r1.data() + c0, a1);
+        L::store(r2.data() + c0, a2);
+      });
+      for (int64_t c = 0; c < C; ++c) {
+        acc[c] += r1[c];
+        acc[C + c] += r2[c];
+      }
+    }
+  });
+  return bands.per_sample_sums(partial, m.B, 2 * C).view({m.B, 2, C});
+}
+
+// The backward pass, given the gradient at v: gv = alpha g + kappa + lam v
+// (alpha, kappa, lam [B, C]: BatchNorm's backward and the gate, folded).
+// gm = Wv^T gv + gmean; gx = gy + beta gm (gy + gm without prev);
+// gprev = (1 - beta) gm. Returns (gx, gprev or empty, gbeta [B, C] float64 =
+// sum over pixels of gm (x - prev), gwv [C, 9] float64, [B, 2, C] float64 as
+// train_grad_stats).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_backward(
+    const at::Tensor& gy, const c10::optional<at::Tensor>& gmean_opt, const at::Tensor& x,
+    const c10::optional<at::Tensor>& prev_opt, const at::Tensor& mean,
+    const c10::optional<at::Tensor>& beta_opt, const at::Tensor& wv, const at::Tensor& a,
+    const at::Tensor& shift, const c10::optional<at::Tensor>& keep_opt, const at::Tensor& alpha,
+    const at::Tensor& kappa, const at::Tensor& lam) {
+  const char* op = "train_backward";
+  const Maps m = maps_of(op, x);
+  const int64_t B = m.B, C = m.C, H = m.H, W = m.W, row = m.row;
+  check_map(op, gy, "gy", x.sizes());
+  check_map(op, mean, "mean", x.sizes());
+  const bool has_gmean = gmean_opt.has_value() && gmean_opt->defined();
+  if (has_gmean) check_map(op, *gmean_opt, "gmean", x.sizes());
+  const bool has_prev = prev_opt.has_value() && prev_opt->defined();
+  if (has_prev) check_map(op, *prev_opt, "prev", x.sizes());
+  const float* betap = opt_param(op, beta_opt, B * C, "beta");
+  TORCH_CHECK(has_prev == (betap != nullptr), "kcla_mm ", op, ": prev and beta go together");
+  const float* wvp = param<float>(op, wv, C * 9, "wv");
+  const std::vector<float> wt = taps(wvp, C), wt_flip = taps(wvp, C, true);
+  const float* ap = param<float>(op, a, B * C, "a");
+  const float* sp = param<float>(op, shift, B * C, "shift");
+  const float* kp = opt_param(op, keep_opt, B, "keep");
+  const float* alp = param<float>(op, alpha, B * C, "alpha");
+  const float* kap = param<float>(op, kappa, B * C, "kappa");
+  const float* lap = param<float>(op, lam, B * C, "lam");
+  std::vector<float> one_minus_beta(has_prev ? B * C : 0);
+  for (int64_t i = 0; i < (has_prev ? B * C : 0); ++i) one_minus_beta[i] = 1.0f - betap[i];
+
+  at::Tensor gx = at::empty_like(x);
+  at::Tensor gprev = has_prev ? at::empty_like(x) : at::empty({0}, x.options());
+  const float* gyp = gy.data_ptr<float>();
+  const float* gmp = has_gmean ? gmean_opt->data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = has_prev ? prev_opt->data_ptr<float>() : nullptr;
+  const float* mp = mean.data_ptr<float>();
+  float* gxp = gx.data_ptr<float>();
+  float* gpp = has_prev ? gprev.data_ptr<float>() : nullptr;
+  const Bands bands(B, H);
+  // per task: [2C] grad stats, [C] gbeta, [9C] gwv (tap-major)
+  const int64_t n_red = 12 * C;
+  std::vector<double> partial(bands.tasks * n_red, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    std::vector<float> ring(3 * row), red(n_red);  // gv rows h-1, h, h+1; row sums
+    float *r1 = red.data(), *r2 = r1 + C, *gb = r2 + C, *gw = gb + C;
+    const int64_t off = b * m.plane, bc = b * C;
+    const float* mb = mp + off;
+    const float keep = kp ? kp[b] : 1.f;
+    auto slot = [&](int64_t r) { return ring.data() + ((r + 3) % 3) * row; };
+    auto mean_row = [&](int64_t h) -> const float* {
+      return h >= 0 && h < H ? mb + h * row : nullptr;
+    };
+    // gv row r into the ring; own: the row is this band's, its sums count here
+    auto gv_row = [&](int64_t r, bool own) {
+      float* dst = slot(r);
+      const float* rows[3] = {mean_row(r - 1), mean_row(r), mean_row(r + 1)};
+      const float* gr = gyp + off + r * row;
+      row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+        using L = decltype(lanes);
+        using V = typename L::V;
+        constexpr int NW = decltype(nw)::value;
+        V k[9], v[NW], gv[NW];
+        load_taps<L>(wt.data(), C, c0, k);
+        conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
+        const V va = L::load(ap + bc + c0), vs = L::load(sp + bc + c0), vk = L::splat(keep);
+        const V al = L::load(alp + bc + c0), ka = L::load(kap + bc + c0),
+                la = L::load(lap + bc + c0);
+        V a1 = L::splat(0.f), a2 = a1;
+        for (int j = 0; j < NW; ++j) {
+          const int64_t o = (w0 + j) * C + c0;
+          const V g = relu_grad<L>(v[j], va, vs, L::load(gr + o), vk);
+          gv[j] = al * g + ka + la * v[j];
+          L::store(dst + o, gv[j]);
+          a1 += g;
+          a2 += g * v[j];
+        }
+        if (!own) return;
+        L::store(r1 + c0, L::load(r1 + c0) + a1);
+        L::store(r2 + c0, L::load(r2 + c0) + a2);
+        // dL/dWv[c, i, j] = sum gv(h, w) mean(h + i - 1, w + j - 1)
+        for (int i = 0; i < 3; ++i) {
+          if (rows[i] == nullptr) continue;
+          for (int tap = 0; tap < 3; ++tap) {
+            V s = L::splat(0.f);
+            for (int j = 0; j < NW; ++j) {
+              const int64_t w = w0 + j + tap - 1;
+              if (w >= 0 && w < W) s += gv[j] * L::load(rows[i] + w * C + c0);
+            }
+            float* g = gw + (3 * i + tap) * C + c0;
+            L::store(g, L::load(g) + s);
+          }
+        }
+      });
+    };
+    // gx, gprev, gbeta of row h from the gv rows h-1..h+1 in the ring
+    auto grad_row = [&](int64_t h) {
+      const float* rows[3] = {h > 0 ? slot(h - 1) : nullptr, slot(h),
+                              h + 1 < H ? slot(h + 1) : nullptr};
+      const int64_t ro = off + h * row;
+      row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+        using L = decltype(lanes);
+        using V = typename L::V;
+        constexpr int NW = decltype(nw)::value;
+        V k[9], gm[NW];
+        load_taps<L>(wt_flip.data(), C, c0, k);  // the transposed convolution
+        conv_acc<L, NW>(rows, k, w0, W, C, c0, gm);
+        if (!has_prev) {
+          for (int j = 0; j < NW; ++j) {
+            const int64_t o = ro + (w0 + j) * C + c0;
+            V g = gm[j];
+            if (has_gmean) g += L::load(gmp + o);
+            L::store(gxp + o, g + L::load(gyp + o));
+          }
+          return;
+        }
+        const V bt = L::load(betap + bc + c0), omb = L::load(one_minus_beta.data() + bc + c0);
+        V s = L::splat(0.f);
+        for (int j = 0; j < NW; ++j) {
+          const int64_t o = ro + (w0 + j) * C + c0;
+          V g = gm[j];
+          if (has_gmean) g += L::load(gmp + o);
+          L::store(gxp + o, L::load(gyp + o) + g * bt);
+          L::store(gpp + o, g * omb);
+          s += (L::load(xp + o) - L::load(pp + o)) * g;
+        }
+        L::store(gb + c0, L::load(gb + c0) + s);
+      });
+    };
+    double* acc = partial.data() + t * n_red;
+    auto flush = [&]() {
+      for (int64_t i = 0; i < n_red; ++i) acc[i] += red[i];
+      std::fill(red.begin(), red.end(), 0.f);
+    };
+    if (h0 > 0) gv_row(h0 - 1, false);
+    gv_row(h0, true);
+    for (int64_t h = h0; h < h1; ++h) {
+      if (h + 1 < H) gv_row(h + 1, h + 1 < h1);
+      grad_row(h);
+      flush();
+    }
+  });
+  at::Tensor sums = bands.per_sample_sums(partial, B, n_red);  // [B, 12 C]
+  at::Tensor stats = sums.narrow(1, 0, 2 * C).reshape({B, 2, C});
+  at::Tensor gbeta = sums.narrow(1, 2 * C, C).contiguous();
+  at::Tensor gwv = sums.narrow(1, 3 * C, 9 * C).sum(0).view({9, C}).t().contiguous();
+  return std::make_tuple(gx, gprev, gbeta, gwv, stats);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
+  m.def("train_stats(Tensor x, Tensor? prev, Tensor? beta, Tensor wv) -> (Tensor, Tensor)");
+  m.def("train_apply(Tensor x, Tensor mean, Tensor wv, Tensor a, Tensor shift) -> Tensor");
+  m.def(
+      "train_grad_stats(Tensor gy, Tensor mean, Tensor wv, Tensor a, Tensor shift, "
+      "Tensor? keep) -> Tensor");
+  m.def(
+      "train_backward(Tensor gy, Tensor? gmean, Tensor x, Tensor? prev, Tensor mean, "
+      "Tensor? beta, Tensor wv, Tensor a, Tensor shift, Tensor? keep, Tensor alpha, "
+      "Tensor kappa, Tensor lam) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
+  m.impl("train_stats", &train_stats);
+  m.impl("train_apply", &train_apply);
+  m.impl("train_grad_stats", &train_grad_stats);
+  m.impl("train_backward", &train_backward);
+}

@@ -1,0 +1,152 @@
+"""The training step of KCLA's tail by the fused CPU kernels (pure torch + torch.ops).
+
+:class:`FusedTail` computes :meth:`kcla_mm.ops.KCLA.tail` with a training-mode
+(or eval-mode) BatchNorm as ``torch.ops.kcla_mm.train_*`` passes over the
+feature maps (``csrc/kcla_train_cpu.cpp``), with the ``[B, C]``-sized algebra
+here in float64::
+
+    mean = lerp(prev, x, beta)      v = Wv * mean       s = scale v
+    o = gamma (s - mu) / sigma + b  out = x + keep relu(o)
+
+BatchNorm's batch statistics of ``s`` come from per-sample sums of ``v`` and
+``v^2`` (``s`` is ``v`` times a per-sample, per-channel scale), so neither
+``v`` nor ``s`` is ever stored: forward is one statistics pass (which writes
+the new mean) and one output pass; backward one pass of gradient sums (batch
+statistics only) and one pass that writes ``gx`` and ``gprev``. Saved for
+backward: ``x``, ``prev`` and ``mean`` (which the neighbouring blocks keep
+anyway) and ``[B, C]`` vectors; the output is recomputed by one pass where a
+later block saved it (see :func:`kcla_mm.ops.kcla.saved_output_hooks`).
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+CL = torch.channels_last
+
+
+def _cpu_autocast() -> bool:
+    if hasattr(torch, 'get_autocast_dtype'):  # torch >= 2.4
+        return torch.is_autocast_enabled('cpu')
+    return torch.is_autocast_cpu_enabled()
+
+
+def applicable(norm: nn.Module, x: Tensor, prev: Optional[Tensor], wv_weight: Tensor) -> bool:
+    """Whether :class:`FusedTail` computes this tail (the caller checks the kernels are built).
+
+    CPU float32 channels-last maps, no autocast, a plain ``BatchNorm2d`` with
+    affine parameters and running statistics, and more than one value per
+    channel in training mode (else BatchNorm's own error is raised).
+    """
+    if (x.device.type != 'cpu' or x.dtype != torch.float32 or x.dim() != 4
+            or not x.is_contiguous(memory_format=CL) or wv_weight.dtype != torch.float32
+            or _cpu_autocast()):
+        return False
+    if type(norm) is not nn.BatchNorm2d or not norm.affine or norm.running_mean is None:
+        return False
+    if norm.weight.dtype != torch.float32 or norm.running_mean.dtype != torch.float32:
+        return False
+    if norm.training and x.shape[0] * x.shape[2] * x.shape[3] < 2:
+        return False
+    return prev is None or (prev.dtype == torch.float32 and prev.shape == x.shape
+                            and prev.stride() == x.stride())
+
+
+def _update_running_stats(norm: nn.BatchNorm2d, mu: Tensor, var: Tensor, n: int) -> None:
+    """What ``nn.BatchNorm2d.forward`` does to the running statistics in training mode."""
+    norm.num_batches_tracked.add_(1)
+    if norm.momentum is None:  # cumulative moving average
+        factor = 1.0 / float(norm.num_batches_tracked)
+    else:
+        factor = norm.momentum
+    norm.running_mean.mul_(1 - factor).add_(mu.to(norm.running_mean.dtype), alpha=factor)
+    norm.running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(norm.running_var.dtype),
+                                           alpha=factor)
+
+
+class FusedTail(torch.autograd.Function):
+    """``(out, mean)`` of :meth:`KCLA.tail` in training, by the fused CPU kernels.
+
+    Inputs as :meth:`KCLA.tail`: ``layer, x, prev, beta, scale, keep, wv_weight,
+    weight, bias``; ``beta``, ``scale`` ``[B, C, 1, 1]``, ``keep`` ``[B, 1, 1, 1]``
+    or ``None``. The running statistics of ``layer.norm`` are updated as
+    ``nn.BatchNorm2d`` does, once.
+    """
+
+    @staticmethod
+    def forward(ctx, layer: nn.Module, x: Tensor, prev: Optional[Tensor], beta: Optional[Tensor],
+                scale: Tensor, keep: Optional[Tensor], wv_weight: Tensor, weight: Tensor,
+                bias: Tensor):
+        ops = torch.ops.kcla_mm
+        norm = layer.norm
+        b, c, h, w = x.shape
+        n = b * h * w
+        flat = None if beta is None else beta.reshape(b, c).contiguous()
+        mean, sums = ops.train_stats(x, prev, flat, wv_weight)  # sums: [B, 2, C] float64
+        if prev is None:
+            mean = x
+        sc = scale.detach().reshape(b, c).double()
+        if norm.training:  # batch statistics of s = sc v
+            mu = (sc * sums[:, 0]).sum(0) / n  # [C]
+            var = ((sc * sc * sums[:, 1]).sum(0) / n - mu * mu).clamp_min_(0)
+            _update_running_stats(norm, mu, var, n)
+        else:
+            mu, var = norm.running_mean.double(), norm.running_var.double()
+        invstd = torch.rsqrt(var + norm.eps)
+        p = weight.detach().double() * invstd  # d o / d s, [C]
+        kv = None if keep is None else keep.reshape(b).float().contiguous()
+        kd = 1.0 if keep is None else kv.double()[:, None]
+        a = (kd * sc * p).float().contiguous()  # [B, C]: keep relu(o) = relu(keep o), keep >= 0
+        shift = (kd * (bias.detach().double() - p * mu)).float().expand(b, c).contiguous()
+        ctx.layer, ctx.bn_training, ctx.n = layer, norm.training, n
+        ctx.vectors = (sums, mu, invstd, p, a, shift, flat, kv)
+        ctx.save_for_backward(x, prev, mean, scale, wv_weight)
+        out = ops.train_apply(x, mean, wv_weight, a, shift)
+        return out, mean
+
+    @staticmethod
+    def backward(ctx, gy: Tensor, gmean: Optional[Tensor]):
+        ops = torch.ops.kcla_mm
+        x, prev, mean, scale, wv_weight = ctx.saved_tensors
+        sums, mu, invstd, p, a, shift, flat, kv = ctx.vectors
+        b, c = x.shape[:2]
+        n = ctx.n
+        gy = gy.contiguous(memory_format=CL)
+        if gmean is not None:
+            gmean = gmean.contiguous(memory_format=CL)
+        sc = scale.detach().reshape(b, c).double()
+
+        def param_grads(r: Tensor) -> Tuple[Tensor, Tensor]:
+            # r [B, 2, C]: sums of g = dL/do and of g v; o = gamma s_hat + b
+            gb = r[:, 0].sum(0)
+            gg = invstd * ((sc * r[:, 1]).sum(0) - mu * gb)  # sum g s_hat
+            return gg, gb
+
+        alpha = sc * p  # gv = alpha g + kappa + lam v
+        if ctx.bn_training:  # gs = p (g - gb / n - s_hat gg / n)
+            gg, gb = param_grads(ops.train_grad_stats(gy, mean, wv_weight, a, shift, kv))
+            q = p * (invstd * mu * gg - gb) / n  # [C]
+            r_ = -p * invstd * gg / n  # [C]
+            kappa, lam = sc * q, sc * sc * r_
+        else:
+            q = r_ = torch.zeros_like(p)
+            kappa = lam = torch.zeros_like(alpha)
+        gx, gprev, gbeta, gwv, r = ops.train_backward(
+            gy, gmean, x, prev, mean, flat, wv_weight, a, shift, kv, alpha.float().contiguous(),
+            kappa.float().contiguous(), lam.float().contiguous())
+        if not ctx.bn_training:
+            gg, gb = param_grads(r)
+        # d L / d scale = sum over pixels of gs v
+        gscale = p * r[:, 1] + q * sums[:, 0] + r_ * sc * sums[:, 1]  # [B, C]
+        dt = x.dtype
+        return (None, gx, gprev if prev is not None else None,
+                None if prev is None else gbeta.to(dt).view(b, c, 1, 1),
+                gscale.to(dt).view(b, c, 1, 1), None, gwv.to(dt).view_as(wv_weight),
+                gg.to(dt), gb.to(dt))
+
+
+def recompute_output(ctx) -> Tensor:
+    """The forward output of a :class:`FusedTail` node, recomputed (one pass)."""
+    x, _, mean, _, wv_weight = ctx.saved_tensors
+    a, shift = ctx.vectors[4:6]
+    return torch.ops.kcla_mm.train_apply(x, mean, wv_weight, a, shift)

@@ -1,0 +1,240 @@
+"""The fused CPU training step of KCLA's tail (``kcla_mm.ops.fused_tail_cpu``).
+
+Reference: plain autograd through the eager operator in float64 (the path
+``test_kcla.py`` checks against the naive reference). The fused float32 step
+must be as accurate as the eager float32 step (recomputed tail, the path it
+replaces), on outputs, the new state, every gradient and BatchNorm's running
+statistics; at the backbone level it gives the gradients of the recomputed
+path, with the block outputs recomputed for the next block's saved copies.
+"""
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from utils import randomize_norms
+
+import kcla_mm.ops.kcla as kmod
+from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
+from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, fused_tail_cpu
+
+CL = torch.channels_last
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f'fused CPU kernels not built: {cpu_kernels.build_error()}')
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the tails the fused kernels compute in training."""
+    calls = []
+    orig = fused_tail_cpu.FusedTail.apply
+
+    def spy(*args):
+        calls.append(args[0])
+        return orig(*args)
+
+    monkeypatch.setattr(fused_tail_cpu.FusedTail, 'apply', spy)
+    return calls
+
+
+def cl(t):
+    return t.contiguous(memory_format=CL)
+
+
+def train_step(layer, x, state, dtype, fused, monkeypatch, seed=3):
+    """Output, state and every gradient and buffer of one step on a copy of ``layer``."""
+    layer = copy.deepcopy(layer).to(dtype)
+    x = cl(x.to(dtype)).requires_grad_()
+    if state is not None:
+        state = KCLAState(cl(state.mean.to(dtype)).requires_grad_(),
+                          state.log_z.clone().requires_grad_())
+    with monkeypatch.context() as m:
+        m.setattr(kmod, 'FUSED_TRAINING', fused)
+        if dtype == torch.float64:  # plain autograd, no recomputation at all
+            m.setattr(kmod, '_recomputable', lambda norm: False)
+        torch.manual_seed(seed)  # the same drop-path masks
+        out, new = layer(x, state)
+    g = torch.Generator().manual_seed(5)
+    w_out, w_mean = (torch.randn(out.shape, generator=g).to(dtype) for _ in range(2))
+    w_z = torch.randn(new.log_z.shape, generator=g).to(new.log_z.dtype)
+    ((out * w_out).sum() + (new.mean * w_mean).sum() + (new.log_z * w_z).sum()).backward()
+    res = {'out': out, 'mean': new.mean, 'log_z': new.log_z, 'grad x': x.grad}
+    if state is not None:
+        res['grad prev mean'], res['grad prev log_z'] = state.mean.grad, state.log_z.grad
+    res.update({f'grad {n}': p.grad for n, p in layer.named_parameters()})
+    res.update({n: b for n, b in layer.named_buffers() if 'running' in n})
+    return res
+
+
+def relative_errors(got, want):
+    return {k: float((got[k].double() - w.double()).abs().max() / (w.double().abs().max() + 1e-12))
+            for k, w in want.items()}
+
+
+def make(channels, head_dim, drop_path=0.0, momentum=0.1, seed=0):
+    torch.manual_seed(seed)
+    layer = KCLA(channels, head_dim=head_dim, drop_path=drop_path)
+    layer.norm.momentum = momentum
+    randomize_norms(layer, seed)
+    with torch.no_grad():  # gates away from 0/1 and outputs of both signs
+        layer.phi.weight.mul_(0.5)
+    return layer.train()
+
+
+# (batch, channels, head_dim, H, W): batch 1 with many rows runs in bands;
+# 20 channels leave a tail past the last 16-wide vector; 2x1 maps
+SHAPES = [(2, 64, 16, 8, 8), (1, 32, 16, 23, 5), (3, 48, 16, 5, 7), (1, 20, 4, 3, 3),
+          (4, 32, 16, 2, 1)]
+
+
+@pytest.mark.parametrize('shape', SHAPES)
+@pytest.mark.parametrize('with_state', [False, True])
+@pytest.mark.parametrize('bn_train,drop_path,momentum', [(True, 0.0, 0.1), (True, 0.4, None),
+                                                         (False, 0.0, 0.1)])
+def test_training_step_as_accurate_as_the_eager_step(shape, with_state, bn_train, drop_path,
+                                                     momentum, monkeypatch, fused_calls):
+    b, c, d, h, w = shape
+    layer = make(c, d, drop_path, momentum)
+    layer.norm.train(bn_train)  # eval-mode BN in a training layer: norm_eval
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(b, c, h, w, generator=g) * 3
+    state = KCLAState(torch.randn(b, c, h, w, generator=g),
+                      torch.randn(b, c // d, generator=g) * 2 + 4) if with_state else None
+    want = train_step(layer, x, state, torch.float64, False, monkeypatch)
+    eager = train_step(layer, x, state, torch.float32, False, monkeypatch)
+    assert fused_calls == []
+    got = train_step(layer, x, state, torch.float32, True, monkeypatch)
+    assert len(fused_calls) == 1
+    assert got.keys() == want.keys() and all(v is not None for v in got.values())
+    err_fused, err_eager = relative_errors(got, want), relative_errors(eager, want)
+    for k in want:
+        # as accurate as float32 autograd (a wrong term would be off by far more)
+        assert err_fused[k] <= 4 * err_eager[k] + 2e-6, (k, err_fused[k], err_eager[k])
+        assert err_fused[k] < 2e-3, (k, err_fused[k])
+    if bn_train:  # the running statistics moved, once
+        assert not torch.equal(got['norm.running_mean'], layer.norm.running_mean)
+
+
+def test_backbone_training_step_as_accurate_as_the_recomputed_path(monkeypatch, fused_calls):
+    # every tail of a training backbone, init layers (prev = the adapted state)
+    # included; the next block's saved copy of each output is recomputed.
+    # Reference: the same step in float64 (where the kernels do not apply).
+    torch.manual_seed(0)
+    model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False,
+                       layer_attn=dict(type='KCLA', drop_path=0.2)).train()
+    randomize_norms(model)
+    x = torch.rand(2, 3, 64, 64)
+    results = []
+    for dtype, fused in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
+        net = copy.deepcopy(model).to(dtype)
+        with monkeypatch.context() as m:
+            m.setattr(kmod, 'FUSED_TRAINING', fused)
+            torch.manual_seed(1)  # the same drop-path masks
+            outs = net(x.to(dtype))
+            sum((o * torch.linspace(-1, 1, o.numel(), dtype=dtype).view_as(o)).sum()
+                for o in outs).backward()
+        res = {f'out {i}': o for i, o in enumerate(outs)}
+        res.update({n: p.grad for n, p in net.named_parameters()})
+        res.update({n: b for n, b in net.named_buffers() if 'running' in n})
+        results.append(res)
+        assert len(fused_calls) == (16 if fused else 0)
+    want, eager, got = results
+    assert got.keys() == want.keys() and all(v is not None for v in got.values())
+    err_fused, err_eager = relative_errors(got, want), relative_errors(eager, want)
+    for k in want:
+        assert err_fused[k] <= 4 * err_eager[k] + 1e-5, (k, err_fused[k], err_eager[k])
+        assert err_fused[k] < 1e-2, (k, err_fused[k])
+
+
+@pytest.mark.parametrize('case', ['float64', 'nchw', 'autocast', 'groupnorm', 'no_grad',
+                                  'disabled', 'one_value'])
+def test_not_used_where_it_does_not_apply(case, monkeypatch, fused_calls):
+    layer = make(32, 16)
+    x = cl(torch.rand(2, 32, 6, 6)).requires_grad_()
+    ctx = torch.enable_grad()
+    if case == 'float64':
+        layer, x = layer.double(), x.double()
+    elif case == 'nchw':
+        x = x.contiguous()
+    elif case == 'autocast':
+        ctx = torch.autocast('cpu', dtype=torch.bfloat16)
+    elif case == 'groupnorm':
+        layer = KCLA(32, head_dim=16, norm_layer=lambda c: torch.nn.GroupNorm(2, c)).train()
+    elif case == 'no_grad':
+        ctx = torch.no_grad()
+    elif case == 'disabled':
+        monkeypatch.setenv('KCLA_MM_CPU_KERNELS', '0')
+    else:  # BatchNorm's own error for a single value per channel
+        x = cl(torch.rand(1, 32, 1, 1)).requires_grad_()
+        with pytest.raises(ValueError, match='more than 1 value per channel'):
+            layer(x, None)
+        assert fused_calls == []
+        return
+    with ctx:
+        layer(x, None)
+    assert fused_calls == []
+
+
+def test_kernels_reject_bad_arguments():
+    ops = torch.ops.kcla_mm
+    x = cl(torch.rand(2, 32, 4, 4))
+    wv = torch.randn(32, 1, 3, 3)
+    with pytest.raises(RuntimeError, match='channels-last'):
+        ops.train_stats(x.contiguous(), None, None, wv)
+    with pytest.raises(RuntimeError, match='prev and beta'):
+        ops.train_stats(x, x.clone(), None, wv)
+    with pytest.raises(RuntimeError, match='prev has shape'):
+        ops.train_stats(x, cl(torch.rand(2, 32, 4, 5)), torch.rand(2, 32), wv)
+    with pytest.raises(RuntimeError, match='shift must be'):
+        ops.train_apply(x, x, wv, torch.rand(2, 32), torch.rand(2, 31))
+    with pytest.raises(RuntimeError, match='gy has shape'):
+        ops.train_grad_stats(cl(torch.rand(2, 32, 4, 3)), x, wv, torch.rand(2, 32),
+                             torch.rand(2, 32), None)
+
+
+def test_kernels_equal_their_definitions():
+    # each op against its formula, written out in torch (float64)
+    ops = torch.ops.kcla_mm
+    g = torch.Generator().manual_seed(0)
+    b, c, h, w = 2, 24, 5, 6
+    x, prev, gy, gmean = (cl(torch.randn(b, c, h, w, generator=g)) for _ in range(4))
+    beta, a, shift, alpha, kappa, lam = (torch.rand(b, c, generator=g) for _ in range(6))
+    keep = torch.tensor([0.0, 2.0])
+    wv = torch.randn(c, 1, 3, 3, generator=g)
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-4)
+    d = {k: t.double() for k, t in dict(x=x, prev=prev, gy=gy, gmean=gmean, wv=wv).items()}
+    bc = (lambda t: t.double()[:, :, None, None])
+    mean = torch.lerp(d['prev'], d['x'], bc(beta))
+    v = F.conv2d(mean, d['wv'], padding=1, groups=c)
+    got_mean, sums = ops.train_stats(x, prev, beta, wv)
+    close(got_mean.double(), mean)
+    close(sums, torch.stack([v.sum((2, 3)), (v * v).sum((2, 3))], 1))
+    z = bc(a) * v + bc(shift)
+    close(ops.train_apply(x, got_mean, wv, a, shift).double(), d['x'] + z.relu())
+    go = d['gy'] * keep.double()[:, None, None, None] * (z > 0)
+    close(ops.train_grad_stats(gy, got_mean, wv, a, shift, keep),
+          torch.stack([go.sum((2, 3)), (go * v).sum((2, 3))], 1))
+    mean_ = mean.detach().requires_grad_()
+    wv_ = d['wv'].detach().requires_grad_()
+    gv = bc(alpha) * go + bc(kappa) + bc(lam) * v
+    gm, gw = torch.autograd.grad(F.conv2d(mean_, wv_, padding=1, groups=c), (mean_, wv_), gv)
+    gm = gm + d['gmean']
+    gx, gprev, gbeta, gwv, stats = ops.train_backward(gy, gmean, x, prev, got_mean, beta, wv, a,
+                                                      shift, keep, alpha, kappa, lam)
+    close(gx.double(), d['gy'] + bc(beta) * gm)
+    close(gprev.double(), (1 - bc(beta)) * gm)
+    close(gbeta, (gm * (d['x'] - d['prev'])).sum((2, 3)))
+    close(gwv, gw.view(c, 9))
+    close(stats, torch.stack([go.sum((2, 3)), (go * v).sum((2, 3))], 1))
+    # without a state the mean is x, and gx takes the whole gradient
+    gx0, gprev0, *_ = ops.train_backward(gy, None, x, None, x, None, wv, a, shift, None, alpha,
+                                         kappa, lam)
+    v0 = F.conv2d(d['x'], d['wv'], padding=1, groups=c)
+    go0 = d['gy'] * (bc(a) * v0 + bc(shift) > 0)
+    gv0 = bc(alpha) * go0 + bc(kappa) + bc(lam) * v0
+    gm0 = torch.autograd.grad(F.conv2d(d['x'].requires_grad_(), d['wv'], padding=1, groups=c),
+                              d['x'], gv0)[0]
+    close(gx0.double(), d['gy'] + gm0)
+    assert gprev0.numel() == 0
