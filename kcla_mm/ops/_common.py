@@ -83,6 +83,36 @@ def eca(p: Tensor, *convs: nn.Conv1d) -> Tuple[Tensor, ...]:
     return tuple(out.unbind(-1))
 
 
+class _PoolHW(torch.autograd.Function):
+    """``x.mean((2, 3))`` whose gradient stays a broadcast view.
+
+    ``MeanBackward`` materialises ``grad.expand(x.shape) / (H W)``: a new map
+    the size of ``x`` per pooled block, written once and then added to ``x``'s
+    other gradient. Here the division is done on ``[B, C]`` (the same values)
+    and the map is an expanded view, which the autograd engine adds in place.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return x.mean((2, 3), dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        b, c, h, w = ctx.shape
+        return (grad / (h * w)).to(ctx.dtype)[:, :, None, None].expand(b, c, h, w), None
+
+
+def global_pool(x: Tensor) -> Tensor:
+    """``x.mean((2, 3))`` in :func:`compute_dtype`, ``[B, C]``; see :class:`_PoolHW`."""
+    dtype = compute_dtype(x.dtype)
+    compiler = getattr(torch, 'compiler', None)
+    if (x.dim() != 4 or not (torch.is_grad_enabled() and x.requires_grad)
+            or (compiler is not None and compiler.is_compiling())):
+        return x.mean((2, 3), dtype=dtype)
+    return _PoolHW.apply(x, dtype)
+
+
 def pooled_qk(x: Tensor, wq: nn.Module, wk: nn.Module, num_heads: int):
     """Queries and keys from the global average pool, in float32.
 
@@ -94,7 +124,7 @@ def pooled_qk(x: Tensor, wq: nn.Module, wk: nn.Module, num_heads: int):
         under AMP the weights and the gate are computed in float32).
     """
     b, c = x.shape[:2]
-    p = x.mean((2, 3), dtype=compute_dtype(x.dtype))  # [B, C]
+    p = global_pool(x)  # [B, C]
     with torch.autocast(device_type=x.device.type, enabled=False):
         q, k = eca(p, wq, wk)  # [B, C] each
     return q.view(b, num_heads, c // num_heads), k.view(b, num_heads, c // num_heads)

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 from . import cpu_kernels, fused_tail_cpu
 from ._common import (BlockPosition, DropPath, NormLayer, _cached_norm_affine, check_batch,
-                      check_drop_path, check_heads, check_input, compute_dtype, eca, eca_conv,
-                      fold_norm, per_channel, pooled_qk, value_conv)
+                      check_drop_path, check_heads, check_input, eca, eca_conv, fold_norm,
+                      global_pool, per_channel, pooled_qk, value_conv)
 
 
 class KCLAState(NamedTuple):
@@ -224,7 +224,7 @@ class KCLA(nn.Module):
                 f'{self.prev_channels} and stride={self.stride}')
         b = ubar.shape[0]
         with torch.autocast(device_type=ubar.device.type, enabled=False):
-            k_u, = eca(ubar.mean((2, 3), dtype=compute_dtype(ubar.dtype)), self.wk_u)
+            k_u, = eca(global_pool(ubar), self.wk_u)
         # u = ubar * z  =>  u / z = ubar
         return KCLAState(ubar, self.logits(k_u.view(b, self.num_heads, self.head_dim)))
 

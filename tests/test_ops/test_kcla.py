@@ -439,3 +439,17 @@ def test_cached_eval_fold_follows_every_change_of_the_norm():
     check()
     layer.norm.bias.data = torch.randn(16)
     check()
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16])
+def test_global_pool_gradient_is_a_broadcast_view(dtype):
+    # the gradient of the pooling is MeanBackward's, without writing a map
+    from kcla_mm.ops._common import global_pool
+    x = torch.rand(2, 8, 5, 3).contiguous(memory_format=torch.channels_last).to(dtype).requires_grad_()
+    p = global_pool(x)
+    assert p.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
+    g = torch.randn(p.shape, dtype=p.dtype)
+    got, = torch.autograd.grad(p, x, g)
+    want, = torch.autograd.grad(x.mean((2, 3), dtype=p.dtype), x, g)
+    assert got.dtype == dtype and got.stride()[2:] == (0, 0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
