@@ -445,7 +445,8 @@ def test_cached_eval_fold_follows_every_change_of_the_norm():
 def test_global_pool_gradient_is_a_broadcast_view(dtype):
     # the gradient of the pooling is MeanBackward's, without writing a map
     from kcla_mm.ops._common import global_pool
-    x = torch.rand(2, 8, 5, 3).contiguous(memory_format=torch.channels_last).to(dtype).requires_grad_()
+    x = torch.rand(2, 8, 5, 3).contiguous(memory_format=torch.channels_last)
+    x = x.to(dtype).requires_grad_()
     p = global_pool(x)
     assert p.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
     g = torch.randn(p.shape, dtype=p.dtype)

@@ -238,4 +238,3 @@ def test_kernels_equal_their_definitions():
                               d['x'], gv0)[0]
     close(gx0.double(), d['gy'] + gm0)
     assert gprev0.numel() == 0
-
