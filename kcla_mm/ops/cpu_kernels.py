@@ -30,7 +30,8 @@ _CSRC = Path(__file__).with_name('csrc')
 _SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
 _HEADERS = (_CSRC / 'kcla_cpu.h', )
 #: the ops the build registers under ``torch.ops.kcla_mm``
-OPS = ('eval_step', 'train_stats', 'train_apply', 'train_grad_stats', 'train_backward')
+OPS = ('eval_step', 'train_stats', 'train_apply', 'train_grad_stats', 'train_backward',
+       'head_forward', 'head_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

@@ -145,6 +145,39 @@ class FusedTail(torch.autograd.Function):
                 gg.to(dt), gb.to(dt))
 
 
+class HeadMath(torch.autograd.Function):
+    """The per-head math of a KCLA step by ``torch.ops.kcla_mm.head_forward``.
+
+    From the pooled block output ``p`` ``[B, C]`` and the incoming ``log z``
+    ``[B, G]`` (``None`` for the first block): ``(beta, scale, log z')``, as
+    :meth:`KCLA.forward` computes them (``beta`` and ``scale`` per channel,
+    ``[B, C]``; ``beta`` is ``None`` without a state). Computed in float64 in
+    one op each way instead of about 25 small autograd ops; gradients for
+    ``p``, ``log z``, ``Wq``, ``Wk`` and ``Phi``.
+    """
+
+    @staticmethod
+    def forward(ctx, layer: nn.Module, p: Tensor, log_z: Optional[Tensor], wq: Tensor,
+                wk: Tensor, phi: Tensor):
+        ctx.consts = (layer.inv_tau, -1.0 if layer.clamp is None else layer.clamp, layer.eps)
+        ctx.save_for_backward(p, log_z, wq, wk, phi)
+        inv_tau, clamp, eps = ctx.consts
+        beta, scale, log_z_new = torch.ops.kcla_mm.head_forward(p, log_z, wq, wk, inv_tau, phi,
+                                                                clamp, eps)
+        return (None if log_z is None else beta), scale, log_z_new
+
+    @staticmethod
+    def backward(ctx, gbeta: Optional[Tensor], gscale: Optional[Tensor],
+                 glog_z: Optional[Tensor]):
+        p, log_z, wq, wk, phi = ctx.saved_tensors
+        inv_tau, clamp, eps = ctx.consts
+        gp, glz, gwq, gwk, gphi = torch.ops.kcla_mm.head_backward(
+            p, log_z, wq, wk, inv_tau, phi, clamp, eps,
+            *(None if g is None else g.float().contiguous() for g in (gbeta, gscale, glog_z)))
+        return (None, gp, None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
+                gphi.view_as(phi))
+
+
 def recompute_output(ctx) -> Tensor:
     """The forward output of a :class:`FusedTail` node, recomputed (one pass)."""
     x, _, mean, _, wv_weight = ctx.saved_tensors

@@ -321,6 +321,8 @@ class KCLA(nn.Module):
                     'adapts a state of another width or resolution')
         if self._fusable(x, state):
             return self._fused_eval(x, state, reuse_state or renormed, reuse_input)
+        if self._fused_training(x, state):
+            return self._fused_train(x, state)
         q, k = self.keys(x)  # [B, G, d] each
         k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
         log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)
@@ -337,15 +339,33 @@ class KCLA(nn.Module):
         # trace the autograd.grad call inside _RecomputedTail.backward.
         if (self.training and torch.is_grad_enabled() and _recomputable(self.norm)
                 and not _compiling()):
-            if (FUSED_TRAINING and fused_tail_cpu.applicable(self.norm, x, prev, self.wv.weight)
-                    and cpu_kernels.available()):
-                out, mean = fused_tail_cpu.FusedTail.apply(self, *args)
-            else:
-                out, mean = _RecomputedTail.apply(self, *args)
+            out, mean = _RecomputedTail.apply(self, *args)
         else:
             reuse = (reuse_state and prev is not None and not torch.is_grad_enabled()
                      and prev is not x and prev.stride() == x.stride())
             out, mean = self.tail(*args, reuse_prev=reuse)
+        return out, KCLAState(mean, log_z)
+
+    def _fused_training(self, x: Tensor, state: Optional[KCLAState]) -> bool:
+        """Whether the fused CPU kernels compute this training step (see :mod:`.fused_tail_cpu`)."""
+        return (FUSED_TRAINING and self.training and torch.is_grad_enabled()
+                and _recomputable(self.norm) and not _compiling()
+                and self.wq.weight.dtype == torch.float32
+                and (state is None or state.log_z.dtype == torch.float32)
+                and fused_tail_cpu.applicable(self.norm, x, None if state is None else state.mean,
+                                              self.wv.weight)
+                and cpu_kernels.available())
+
+    def _fused_train(self, x: Tensor, state: Optional[KCLAState]) -> Tuple[Tensor, KCLAState]:
+        """:meth:`forward` in training by the fused CPU kernels (same numerics)."""
+        b, c = x.shape[:2]
+        beta, scale, log_z = fused_tail_cpu.HeadMath.apply(
+            self, global_pool(x), None if state is None else state.log_z, self.wq.weight,
+            self.wk.weight, self.phi.weight)
+        out, mean = fused_tail_cpu.FusedTail.apply(
+            self, x, None if state is None else state.mean,
+            None if beta is None else beta.view(b, c, 1, 1), scale.view(b, c, 1, 1),
+            self.drop_path.keep_mask(x), self.wv.weight, self.norm.weight, self.norm.bias)
         return out, KCLAState(mean, log_z)
 
     def _fusable(self, x: Tensor, state: Optional[KCLAState], adapt: bool = False) -> bool:

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <vector>
 
 #include "kcla_cpu.h"
@@ -386,6 +387,191 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
   return std::make_tuple(gx, gprev, gbeta, gwv, stats);
 }
 
+// -- the per-head math of a training step ([B, C] vectors, double precision) --
+//   q, k = ECA(p); |k|; logit = min(|k| tau, clamp)
+//   log z' = logaddexp(log z, logit); beta = exp(logit - log z')  (with a state)
+//   scale = sigmoid(Phi(<q, k> / max(|k|, 1e-12))) * sigmoid(log z' - log eps)
+// (kcla_mm/ops/kcla.py: KCLA.keys, logits, _merge, gate), and its backward.
+struct Head {
+  int64_t B, C, G, D, K, pad;
+  const float *p, *lz0, *wq, *wk, *phi;
+  const double* tau;
+  double clamp, log_eps;
+  // per sample: q, k [C]; per head: |k|, raw logit, log z', beta, shrink,
+  // <q, k>, max(|k|, 1e-12), h, gate
+  std::vector<double> q, k, kn, raw, lz, bt, shr, qk, knc, h, gate;
+  void run(int64_t b) {
+    q.assign(C, 0.0);
+    k.assign(C, 0.0);
+    const float* pb = p + b * C;
+    for (int64_t j = 0; j < K; ++j)
+      for (int64_t c = std::max<int64_t>(0, pad - j); c < std::min<int64_t>(C, C + pad - j); ++c) {
+        const double v = pb[c + j - pad];
+        q[c] += wq[j] * v;
+        k[c] += wk[j] * v;
+      }
+    for (int64_t g = 0; g < G; ++g) {
+      double kk = 0, s = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        kk += k[g * D + d] * k[g * D + d];
+        s += q[g * D + d] * k[g * D + d];
+      }
+      kn[g] = std::sqrt(kk);
+      qk[g] = s;
+      knc[g] = std::max(kn[g], 1e-12);
+      h[g] = s / knc[g];
+      raw[g] = kn[g] * static_cast<float>(tau[g]);  // the float32 temperatures
+      const double logit = clamp > 0 ? std::min(raw[g], clamp) : raw[g];
+      if (lz0) {
+        const double a = lz0[b * G + g];
+        const double m = std::max(a, logit);
+        lz[g] = m + std::log1p(std::exp(-std::abs(a - logit)));
+        bt[g] = std::exp(logit - lz[g]);
+      } else {
+        lz[g] = logit;
+        bt[g] = 1.0;
+      }
+      shr[g] = 1.0 / (1.0 + std::exp(-(lz[g] - log_eps)));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      double s = 0;
+      for (int64_t j = 0; j < G; ++j) s += phi[g * G + j] * h[j];
+      gate[g] = 1.0 / (1.0 + std::exp(-s));
+    }
+  }
+};
+
+Head make_head(const char* op, const at::Tensor& p, const c10::optional<at::Tensor>& lz_opt,
+               const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& inv_tau,
+               const at::Tensor& phi, double clamp, double eps) {
+  TORCH_CHECK(p.dim() == 2, "kcla_mm ", op, ": p must be [B, C], got ", p.sizes());
+  Head hd;
+  hd.B = p.size(0), hd.C = p.size(1), hd.G = inv_tau.numel();
+  TORCH_CHECK(hd.G > 0 && hd.C % hd.G == 0, "kcla_mm ", op, ": ", hd.C, " channels, ", hd.G,
+              " heads");
+  hd.D = hd.C / hd.G, hd.K = wq.numel(), hd.pad = (hd.K - 1) / 2;
+  TORCH_CHECK(hd.K % 2 == 1, "kcla_mm ", op, ": the ECA kernel size must be odd, got ", hd.K);
+  hd.p = param<float>(op, p, hd.B * hd.C, "p");
+  hd.lz0 = opt_param(op, lz_opt, hd.B * hd.G, "log_z");
+  hd.wq = param<float>(op, wq, hd.K, "wq");
+  hd.wk = param<float>(op, wk, hd.K, "wk");
+  hd.tau = param<double>(op, inv_tau, hd.G, "inv_tau");
+  hd.phi = param<float>(op, phi, hd.G * hd.G, "phi");
+  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": eps must be positive, got ", eps);
+  hd.clamp = clamp, hd.log_eps = std::log(eps);
+  for (auto* v : {&hd.kn, &hd.raw, &hd.lz, &hd.bt, &hd.shr, &hd.qk, &hd.knc, &hd.h, &hd.gate})
+    v->resize(hd.G);
+  return hd;
+}
+
+// Returns (beta [B, C] or empty without log_z, scale [B, C], log z' [B, G]), float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> head_forward(
+    const at::Tensor& p, const c10::optional<at::Tensor>& lz_opt, const at::Tensor& wq,
+    const at::Tensor& wk, const at::Tensor& inv_tau, const at::Tensor& phi, double clamp,
+    double eps) {
+  Head hd = make_head("head_forward", p, lz_opt, wq, wk, inv_tau, phi, clamp, eps);
+  const int64_t B = hd.B, C = hd.C, G = hd.G, D = hd.D;
+  at::Tensor beta = hd.lz0 ? at::empty({B, C}, p.options()) : at::empty({0}, p.options());
+  at::Tensor scale = at::empty({B, C}, p.options()), lz = at::empty({B, G}, p.options());
+  float *btp = hd.lz0 ? beta.data_ptr<float>() : nullptr, *scp = scale.data_ptr<float>(),
+        *lzp = lz.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    hd.run(b);
+    for (int64_t g = 0; g < G; ++g) {
+      lzp[b * G + g] = static_cast<float>(hd.lz[g]);
+      const float sc = static_cast<float>(hd.gate[g] * hd.shr[g]);
+      for (int64_t d = 0; d < D; ++d) {
+        scp[b * C + g * D + d] = sc;
+        if (btp) btp[b * C + g * D + d] = static_cast<float>(hd.bt[g]);
+      }
+    }
+  }
+  return std::make_tuple(beta, scale, lz);
+}
+
+// Gradients of head_forward: (gp [B, C], glog_z [B, G] or empty, gwq [K], gwk [K],
+// gphi [G, G]), float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_backward(
+    const at::Tensor& p, const c10::optional<at::Tensor>& lz_opt, const at::Tensor& wq,
+    const at::Tensor& wk, const at::Tensor& inv_tau, const at::Tensor& phi, double clamp,
+    double eps, const c10::optional<at::Tensor>& gbeta_opt,
+    const c10::optional<at::Tensor>& gscale_opt, const c10::optional<at::Tensor>& glz_opt) {
+  const char* op = "head_backward";
+  Head hd = make_head(op, p, lz_opt, wq, wk, inv_tau, phi, clamp, eps);
+  const int64_t B = hd.B, C = hd.C, G = hd.G, D = hd.D, K = hd.K, pad = hd.pad;
+  const float* gbt = hd.lz0 ? opt_param(op, gbeta_opt, B * C, "gbeta") : nullptr;
+  const float* gsc = opt_param(op, gscale_opt, B * C, "gscale");
+  const float* glz = opt_param(op, glz_opt, B * G, "glog_z");
+  at::Tensor gp = at::empty({B, C}, p.options());
+  at::Tensor glz0 = hd.lz0 ? at::empty({B, G}, p.options()) : at::empty({0}, p.options());
+  std::vector<double> gwq(K, 0.0), gwk(K, 0.0), gphi(G * G, 0.0), gq(C), gk(C), gs(G), gh(G);
+  float* gpp = gp.data_ptr<float>();
+  float* glz0p = hd.lz0 ? glz0.data_ptr<float>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) {
+    hd.run(b);
+    for (int64_t g = 0; g < G; ++g) {  // through the gate's sigmoid into Phi
+      double s = 0;
+      if (gsc)
+        for (int64_t d = 0; d < D; ++d) s += gsc[b * C + g * D + d];
+      gh[g] = s;  // d L / d scale_g, for now
+      gs[g] = s * hd.shr[g] * hd.gate[g] * (1.0 - hd.gate[g]);
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < G; ++j) gphi[g * G + j] += gs[g] * hd.h[j];
+    for (int64_t g = 0; g < G; ++g) {
+      const double gscale_g = gh[g];
+      double ghg = 0;
+      for (int64_t j = 0; j < G; ++j) ghg += hd.phi[j * G + g] * gs[j];
+      // log z': its own gradient, the shrink factor's, beta's
+      double glzg = (glz ? glz[b * G + g] : 0.0) +
+                    gscale_g * hd.gate[g] * hd.shr[g] * (1.0 - hd.shr[g]);
+      double glogit = 0;
+      if (hd.lz0) {
+        double gb = 0;
+        if (gbt)
+          for (int64_t d = 0; d < D; ++d) gb += gbt[b * C + g * D + d];
+        glogit += gb * hd.bt[g];  // beta = exp(logit - log z')
+        glzg -= gb * hd.bt[g];
+        glz0p[b * G + g] = static_cast<float>(glzg * std::exp(hd.lz0[b * G + g] - hd.lz[g]));
+        glogit += glzg * hd.bt[g];  // d logaddexp / d logit
+      } else {
+        glogit += glzg;  // log z' = logit
+      }
+      // torch's clamp(max) passes the gradient where raw <= clamp
+      const double graw = clamp > 0 && hd.raw[g] > clamp ? 0.0 : glogit;
+      double gkn = graw * static_cast<float>(hd.tau[g]);
+      // h = <q, k> / max(|k|, 1e-12)
+      const double gqk = ghg / hd.knc[g];
+      if (hd.kn[g] >= 1e-12) gkn -= ghg * hd.qk[g] / (hd.knc[g] * hd.knc[g]);
+      const double kinv = hd.kn[g] > 0 ? gkn / hd.kn[g] : 0.0;  // d |k| / d k = k / |k|
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t c = g * D + d;
+        gq[c] = gqk * hd.k[c];
+        gk[c] = gqk * hd.q[c] + kinv * hd.k[c];
+      }
+    }
+    // the ECA convolutions: q_c = sum_j wq_j p_{c + j - pad}
+    const float* pb = hd.p + b * C;
+    std::vector<double> gpb(C, 0.0);
+    for (int64_t j = 0; j < K; ++j)
+      for (int64_t c = std::max<int64_t>(0, pad - j); c < std::min<int64_t>(C, C + pad - j); ++c) {
+        const int64_t i = c + j - pad;
+        gpb[i] += hd.wq[j] * gq[c] + hd.wk[j] * gk[c];
+        gwq[j] += gq[c] * pb[i];
+        gwk[j] += gk[c] * pb[i];
+      }
+    for (int64_t c = 0; c < C; ++c) gpp[b * C + c] = static_cast<float>(gpb[c]);
+  }
+  auto to_float = [&](const std::vector<double>& v, at::IntArrayRef shape) {
+    at::Tensor t = at::empty(shape, p.options());
+    float* tp = t.data_ptr<float>();
+    for (size_t i = 0; i < v.size(); ++i) tp[i] = static_cast<float>(v[i]);
+    return t;
+  };
+  return std::make_tuple(gp, glz0, to_float(gwq, {K}), to_float(gwk, {K}),
+                         to_float(gphi, {G, G}));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
@@ -398,6 +584,13 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
       "train_backward(Tensor gy, Tensor? gmean, Tensor x, Tensor? prev, Tensor mean, "
       "Tensor? beta, Tensor wv, Tensor a, Tensor shift, Tensor? keep, Tensor alpha, "
       "Tensor kappa, Tensor lam) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "head_forward(Tensor p, Tensor? log_z, Tensor wq, Tensor wk, Tensor inv_tau, Tensor phi, "
+      "float clamp, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "head_backward(Tensor p, Tensor? log_z, Tensor wq, Tensor wk, Tensor inv_tau, "
+      "Tensor phi, float clamp, float eps, Tensor? gbeta, Tensor? gscale, Tensor? glog_z) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
@@ -405,4 +598,6 @@ TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
   m.impl("train_apply", &train_apply);
   m.impl("train_grad_stats", &train_grad_stats);
   m.impl("train_backward", &train_backward);
+  m.impl("head_forward", &head_forward);
+  m.impl("head_backward", &head_backward);
 }
