@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 CL = torch.channels_last
 
@@ -105,6 +106,7 @@ class FusedTail(torch.autograd.Function):
         return out, mean
 
     @staticmethod
+    @once_differentiable  # the kernels are not differentiable: double backward raises
     def backward(ctx, gy: Tensor, gmean: Optional[Tensor]):
         ops = torch.ops.kcla_mm
         x, prev, mean, scale, wv_weight = ctx.saved_tensors
@@ -167,6 +169,7 @@ class HeadMath(torch.autograd.Function):
         return (None if log_z is None else beta), scale, log_z_new
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gbeta: Optional[Tensor], gscale: Optional[Tensor],
                  glog_z: Optional[Tensor]):
         p, log_z, wq, wk, phi = ctx.saved_tensors

@@ -238,3 +238,13 @@ def test_kernels_equal_their_definitions():
                               d['x'], gv0)[0]
     close(gx0.double(), d['gy'] + gm0)
     assert gprev0.numel() == 0
+
+
+def test_double_backward_raises_instead_of_being_wrong(fused_calls):
+    layer = make(32, 16)
+    x = cl(torch.rand(2, 32, 6, 6)).requires_grad_()
+    out, _ = layer(x, None)
+    assert len(fused_calls) == 1
+    g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match='once_differentiable'):
+        g.sum().backward()
