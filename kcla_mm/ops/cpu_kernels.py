@@ -1,12 +1,19 @@
-"""Optional fused CPU kernels for KCLA inference, built on first use.
+"""Optional fused CPU kernels for KCLA, built on first use.
 
-``csrc/kcla_eval_cpu.cpp`` does a whole KCLA step in eval mode (pooling, the
-per-head math, the state update, the depthwise value convolution, the folded
-norm and gate, ReLU and the residual add) in two passes over the feature map,
-where the eager path runs about 50 ops and 12 passes. It is compiled with
-:func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``,
-which ``tools/setup_env.sh`` installs) into torch's extension cache, once per
-machine type, and registers ``torch.ops.kcla_mm.eval_step``.
+- ``csrc/kcla_eval_cpu.cpp`` does a whole KCLA step in eval mode (pooling, the
+  per-head math, the state update, the depthwise value convolution, the folded
+  norm and gate, ReLU and the residual add) in two passes over the feature
+  map, where the eager path runs about 50 ops and 12 passes
+  (``torch.ops.kcla_mm.eval_step``).
+- ``csrc/kcla_train_cpu.cpp`` does the training step: the per-head math
+  (``head_forward``/``head_backward``) and the feature-map part with
+  BatchNorm's batch statistics in four passes (``train_stats``,
+  ``train_apply``, ``train_grad_stats``, ``train_backward``); the autograd
+  side is :mod:`kcla_mm.ops.fused_tail_cpu`.
+
+Both are compiled with :func:`torch.utils.cpp_extension.load` (needs a C++
+compiler and ``ninja``, which ``tools/setup_env.sh`` installs) into torch's
+extension cache, once per machine type, as one library.
 
 Where it cannot be built the eager path runs, after one warning. Environment:
 

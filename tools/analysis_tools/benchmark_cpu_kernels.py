@@ -1,12 +1,14 @@
-"""A/B of KCLA inference with and without the fused CPU kernel, in one process.
+"""A/B of KCLA with and without the fused CPU kernels, in one process.
 
-Measures, interleaved round by round, the eval-mode forward of a plain
-ResNet, KCLA-ResNet with the eager ops (``KCLA_MM_CPU_KERNELS=0``) and
-KCLA-ResNet with the fused kernel (``torch.ops.kcla_mm.eval_step``), all
-channels-last, and prints medians and ratios to the plain ResNet::
+Measures, interleaved round by round, the eval-mode forward (or with
+``--train`` the training step: forward in train mode and backward of the
+mean output) of a plain ResNet, KCLA-ResNet with the eager ops
+(``KCLA_MM_CPU_KERNELS=0``) and KCLA-ResNet with the fused kernels
+(``torch.ops.kcla_mm``), all channels-last, and prints medians and ratios to
+the plain ResNet::
 
     .venv/bin/python tools/analysis_tools/benchmark_cpu_kernels.py --depth 50 --batch 4 \\
-        --threads 2 --repeats 15
+        --threads 2 --repeats 15 [--train]
 
 The ratios, not the milliseconds, compare across runs on a shared machine.
 """
@@ -29,6 +31,8 @@ def main() -> None:
     parser.add_argument('--threads', type=int, default=2)
     parser.add_argument('--repeats', type=int, default=15)
     parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--train', action='store_true',
+                        help='time training steps instead of eval forwards')
     args = parser.parse_args()
     for name in ('batch', 'size', 'threads', 'repeats'):
         if getattr(args, name) < 1:
@@ -37,8 +41,9 @@ def main() -> None:
     if not cpu_kernels.available():
         raise SystemExit(f'the fused CPU kernels are not available: {cpu_kernels.build_error()}')
     torch.manual_seed(0)
-    plain = KCLAResNet(depth=args.depth, layer_attn=None, channels_last=True).eval()
-    kcla = KCLAResNet(depth=args.depth, layer_attn=dict(type='KCLA')).eval()
+    kw = dict(depth=args.depth, out_indices=(3, ), norm_eval=False)
+    plain = KCLAResNet(layer_attn=None, channels_last=True, **kw).train(args.train)
+    kcla = KCLAResNet(layer_attn=dict(type='KCLA'), **kw).train(args.train)
     x = torch.rand(args.batch, 3, args.size, args.size)
     candidates = {'plain ResNet': (plain, '1'), 'KCLA eager': (kcla, '0'),
                   'KCLA fused': (kcla, '1')}
@@ -50,10 +55,17 @@ def main() -> None:
             for name in names[r % 3:] + names[:r % 3]:  # rotate the order
                 model, env = candidates[name]
                 os.environ['KCLA_MM_CPU_KERNELS'] = env
-                with torch.no_grad():
+                if args.train:
+                    for p in model.parameters():
+                        p.grad = None
                     start = time.perf_counter()
-                    model(x)
+                    model(x)[0].mean().backward()
                     elapsed = time.perf_counter() - start
+                else:
+                    with torch.no_grad():
+                        start = time.perf_counter()
+                        model(x)
+                        elapsed = time.perf_counter() - start
                 if r >= args.warmup:
                     times[name].append(elapsed)
     finally:
@@ -61,11 +73,12 @@ def main() -> None:
             os.environ.pop('KCLA_MM_CPU_KERNELS', None)
         else:
             os.environ['KCLA_MM_CPU_KERNELS'] = saved
-    print(f'ResNet-{args.depth}, eval forward, batch {args.batch} at {args.size}x{args.size}, '
+    what = 'training step' if args.train else 'eval forward'
+    print(f'ResNet-{args.depth}, {what}, batch {args.batch} at {args.size}x{args.size}, '
           f'{args.threads} CPU threads, torch {torch.__version__}, medians of {args.repeats} '
           f'interleaved rounds after {args.warmup} warm-up')
     base = statistics.median(times['plain ResNet'])
-    print('| candidate | forward (ms) | ratio |\n| --- | ---: | ---: |')
+    print(f'| candidate | {what} (ms) | ratio |\n| --- | ---: | ---: |')
     for name, ts in times.items():
         t = statistics.median(ts)
         print(f'| {name} | {t * 1e3:.1f} | {t / base:.2f}x |')

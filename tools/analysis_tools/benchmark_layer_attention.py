@@ -235,9 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
                                  'and input'),
         'per block: (time - plain ResNet time) / blocks, ms; ratios (x) to the plain ResNet '
         'of the same depth in this run',
-        'KCLA eval forward on CPU: ' + (
-            'fused CPU kernel (torch.ops.kcla_mm.eval_step)' if device.type == 'cpu'
-            and cpu_kernels.available() else 'eager ops') + '; training steps: eager ops',
+        'KCLA on CPU: ' + (
+            'fused CPU kernels (eval: torch.ops.kcla_mm.eval_step; training: train_* and '
+            'head_* ops)' if device.type == 'cpu' and cpu_kernels.available() else 'eager ops'),
     ]
     for line in header:
         print(line)
