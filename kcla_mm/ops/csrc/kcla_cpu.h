@@ -5,11 +5,12 @@
 // three rows the depthwise 3x3 value convolution reads in cache; within a row
 // they work in tiles of up to 4 pixels by one vector of channels, with the
 // vector's 9 weights in registers. Every tile function is written once for a
-// lane type ``L`` (16-wide GCC vectors for the full vectors of channels, plain
-// floats for the channels past the last full vector).
+// lane type ``L`` (GCC vectors of one register for the full vectors of
+// channels, plain floats for the channels past the last full vector).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -19,7 +20,14 @@
 
 namespace kcla_cpu {
 
-constexpr int64_t VL = 16;  // floats per vector (one AVX-512 register, two AVX2)
+// Floats per vector: one register. A vector wider than the registers makes the
+// 3x3 tiles (9 taps, 4 accumulators, 6 inputs) spill: with 16-float vectors on
+// AVX2 the kernels ran slower than the eager ops.
+#if defined(__AVX512F__)
+constexpr int64_t VL = 16;
+#else
+constexpr int64_t VL = 8;  // AVX2; on narrower SIMD the compiler splits it
+#endif
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
 struct VecLanes {  // a full vector of VL channels
@@ -76,6 +84,32 @@ inline void row_tiles(int64_t W, int64_t C, F&& f) {
 template <class L>
 inline void load_taps(const float* wt, int64_t C, int64_t c0, typename L::V k[9]) {
   for (int i = 0; i < 9; ++i) k[i] = L::load(wt + i * C + c0);
+}
+
+// in[i][j] = rows[i] at pixel w0 - 1 + j, channels c0..: the inputs of the
+// depthwise 3x3 convolution at NW pixels from w0; zero outside the map (rows[i]
+// null, or the pixel past the row's ends: zero padding).
+template <class L, int NW>
+inline void load_window(const float* const rows[3], int64_t w0, int64_t W, int64_t C,
+                        int64_t c0, typename L::V in[3][NW + 2]) {
+  const typename L::V zero = L::splat(0.f);
+  for (int i = 0; i < 3; ++i) {
+    const float* r = rows[i];
+    for (int j = 0; j < NW + 2; ++j) {
+      const int64_t w = w0 - 1 + j;
+      in[i][j] = (r != nullptr && w >= 0 && w < W) ? L::load(r + w * C + c0) : zero;
+    }
+  }
+}
+
+// acc[j] = (k * in)(j): the convolution (cross-correlation) of a window.
+template <class L, int NW>
+inline void conv_window(const typename L::V k[9], const typename L::V in[3][NW + 2],
+                        typename L::V acc[NW]) {
+  for (int j = 0; j < NW; ++j) acc[j] = L::splat(0.f);
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < NW; ++j)
+      acc[j] += k[3 * i] * in[i][j] + k[3 * i + 1] * in[i][j + 1] + k[3 * i + 2] * in[i][j + 2];
 }
 
 // acc[j] = (k * rows)(w0 + j) for channels c0..: the depthwise 3x3 convolution

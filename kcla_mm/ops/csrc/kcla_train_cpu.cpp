@@ -300,9 +300,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         using L = decltype(lanes);
         using V = typename L::V;
         constexpr int NW = decltype(nw)::value;
-        V k[9], v[NW], gv[NW];
+        V k[9], in[3][NW + 2], v[NW], gv[NW];
         load_taps<L>(wt.data(), C, c0, k);
-        conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
+        load_window<L, NW>(rows, w0, W, C, c0, in);
+        conv_window<L, NW>(k, in, v);
         const V va = L::load(ap + bc + c0), vs = L::load(sp + bc + c0), vk = L::splat(keep);
         const V al = L::load(alp + bc + c0), ka = L::load(kap + bc + c0),
                 la = L::load(lap + bc + c0);
@@ -318,15 +319,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         if (!own) return;
         L::store(r1 + c0, L::load(r1 + c0) + a1);
         L::store(r2 + c0, L::load(r2 + c0) + a2);
-        // dL/dWv[c, i, j] = sum gv(h, w) mean(h + i - 1, w + j - 1)
+        // dL/dWv[c, i, j] = sum gv(h, w) mean(h + i - 1, w + j - 1) (zero padding)
         for (int i = 0; i < 3; ++i) {
           if (rows[i] == nullptr) continue;
           for (int tap = 0; tap < 3; ++tap) {
-            V s = L::splat(0.f);
-            for (int j = 0; j < NW; ++j) {
-              const int64_t w = w0 + j + tap - 1;
-              if (w >= 0 && w < W) s += gv[j] * L::load(rows[i] + w * C + c0);
-            }
+            V s = gv[0] * in[i][tap];
+            for (int j = 1; j < NW; ++j) s += gv[j] * in[i][j + tap];
             float* g = gw + (3 * i + tap) * C + c0;
             L::store(g, L::load(g) + s);
           }
