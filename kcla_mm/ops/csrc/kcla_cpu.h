@@ -151,14 +151,35 @@ inline void lerp_row(const float* prev, const float* x, const float* beta, float
   }
 }
 
+// Software prefetch of rows a later row step reads first (null: none), spread
+// over the tiles of the current row: tile (w0, c0) prefetches the same pixels
+// and channels of each of them, one request per 64-byte line. The tiles visit
+// 6 pixels 4 C bytes apart per channel vector, an order the hardware
+// prefetchers follow poorly. In-process A/B on an AVX2 machine, ResNet-50
+// shapes summed over the blocks: train_backward 94 -> 80 ms, train_grad_stats
+// 25 -> 19, train_apply 27 -> 24; train_stats got slower (its new rows are
+// read in order by the lerp) and does not prefetch.
+struct RowPrefetch {
+  const float* rows[3] = {nullptr, nullptr, nullptr};
+  template <int NW>
+  void tile(int64_t w0, int64_t C, int64_t c0) const {
+    if (c0 % 16 != 0) return;  // 16 floats: one cache line
+    for (const float* r : rows)
+      if (r != nullptr)
+        for (int j = 0; j < NW; ++j) __builtin_prefetch(r + (w0 + j) * C + c0);
+  }
+};
+
 // out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero
 // padding; wt: [9, C] (tap-major), a, shift: [C].
 inline void conv_row(const float* const rows[3], const float* x, float* out, const float* wt,
-                     const float* a, const float* shift, int64_t W, int64_t C) {
+                     const float* a, const float* shift, int64_t W, int64_t C,
+                     const RowPrefetch& pf = RowPrefetch{}) {
   row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
     using L = decltype(lanes);
     using V = typename L::V;
     constexpr int NW = decltype(nw)::value;
+    pf.tile<NW>(w0, C, c0);
     V k[9], acc[NW];
     load_taps<L>(wt, C, c0, k);
     conv_acc<L, NW>(rows, k, w0, W, C, c0, acc);

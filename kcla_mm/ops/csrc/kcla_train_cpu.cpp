@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
         using L = decltype(lanes);
         using V = typename L::V;
         constexpr int NW = decltype(nw)::value;
-        V k[9], v[NW];
+        V k[9], v[NW];  // (no prefetch: it measured slower here, the lerp reads rows in order)
         load_taps<L>(wt.data(), C, c0, k);
         conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
         V a1 = L::load(s1.data() + c0), a2 = L::load(s2.data() + c0);
@@ -173,8 +173,11 @@ at::Tensor train_apply(const at::Tensor& x, const at::Tensor& mean, const at::Te
     for (int64_t h = h0; h < h1; ++h) {
       const float* rows[3] = {h > 0 ? mb + (h - 1) * row : nullptr, mb + h * row,
                               h + 1 < H ? mb + (h + 1) * row : nullptr};
+      RowPrefetch pf;  // the rows row h + 1 reads first
+      pf.rows[0] = h + 2 < H ? mb + (h + 2) * row : nullptr;
+      pf.rows[1] = h + 1 < H ? xp + b * m.plane + (h + 1) * row : nullptr;
       conv_row(rows, xp + b * m.plane + h * row, op_ + b * m.plane + h * row, wt.data(),
-               ap + b * C, sp + b * C, m.W, C);
+               ap + b * C, sp + b * C, m.W, C, pf);
     }
   });
   return out;
@@ -205,12 +208,16 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
       const float* rows[3] = {h > 0 ? mb + (h - 1) * row : nullptr, mb + h * row,
                               h + 1 < H ? mb + (h + 1) * row : nullptr};
       const float* gr = gp + b * m.plane + h * row;
+      RowPrefetch pf;  // what row h + 1 reads first: mean at h + 2, gy at h + 1
+      pf.rows[0] = h + 2 < H ? mb + (h + 2) * row : nullptr;
+      pf.rows[1] = h + 1 < H ? gr + row : nullptr;
       std::fill(r1.begin(), r1.end(), 0.f);
       std::fill(r2.begin(), r2.end(), 0.f);
       row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
         using L = decltype(lanes);
         using V = typename L::V;
         constexpr int NW = decltype(nw)::value;
+        pf.tile<NW>(w0, C, c0);
         V k[9], v[NW];
         load_taps<L>(wt.data(), C, c0, k);
         conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
@@ -296,10 +303,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
       float* dst = slot(r);
       const float* rows[3] = {mean_row(r - 1), mean_row(r), mean_row(r + 1)};
       const float* gr = gyp + off + r * row;
+      RowPrefetch pf;  // what gv row r + 1 reads first: mean at r + 2, gy at r + 1
+      pf.rows[0] = r + 2 < H ? mb + (r + 2) * row : nullptr;
+      pf.rows[1] = r + 1 < H ? gr + row : nullptr;
       row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
         using L = decltype(lanes);
         using V = typename L::V;
         constexpr int NW = decltype(nw)::value;
+        pf.tile<NW>(w0, C, c0);
         V k[9], in[3][NW + 2], v[NW], gv[NW];
         load_taps<L>(wt.data(), C, c0, k);
         load_window<L, NW>(rows, w0, W, C, c0, in);
@@ -336,10 +347,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
       const float* rows[3] = {h > 0 ? slot(h - 1) : nullptr, slot(h),
                               h + 1 < H ? slot(h + 1) : nullptr};
       const int64_t ro = off + h * row;
+      RowPrefetch pf;  // what row h + 1 reads first: gmean, x, prev at h + 1
+      if (h + 1 < H) {
+        if (has_gmean) pf.rows[0] = gmp + ro + row;
+        if (has_prev) {
+          pf.rows[1] = xp + ro + row;
+          pf.rows[2] = pp + ro + row;
+        }
+      }
       row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
         using L = decltype(lanes);
         using V = typename L::V;
         constexpr int NW = decltype(nw)::value;
+        pf.tile<NW>(w0, C, c0);
         V k[9], gm[NW];
         load_taps<L>(wt_flip.data(), C, c0, k);  // the transposed convolution
         conv_acc<L, NW>(rows, k, w0, W, C, c0, gm);
