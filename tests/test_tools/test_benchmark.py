@@ -1,4 +1,6 @@
 """The layer-attention benchmark: a --quick run end to end, and its measuring pieces."""
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -7,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kcla_mm.benchmark import (Candidate, CifarKCLAResNet, LiveTensorBytes, Setting, build_backbone,
-                               markdown_table, num_blocks, peak_train_memory, run)
+import kcla_mm.benchmark as bench
+from kcla_mm.benchmark import (THP_ENV, Candidate, CifarKCLAResNet, LiveTensorBytes, Setting,
+                               build_backbone, markdown_table, num_blocks, peak_train_memory, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'analysis_tools' / 'benchmark_layer_attention.py'
@@ -30,11 +33,14 @@ def cells(line):
 
 @pytest.mark.slow  # a subprocess: imports mmdet (10-20 s on a shared 2-core machine)
 def test_quick_run_writes_table_and_plot(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != THP_ENV}
     proc = subprocess.run([sys.executable, str(TOOL), '--quick', '--out-dir', str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     md = (tmp_path / 'benchmark.md').read_text()
     assert 'CPU threads: 1' in md  # the number of threads is stated
+    # the tool restarted itself on huge pages, and says so
+    assert f'CPU allocator: {THP_ENV}=1 for every candidate' in md
     rows = [cells(line) for line in md.splitlines() if line.startswith('| ') and 'x)' in line]
     names = [(r[0], r[1]) for r in rows]
     expected = [(f'{fam}-{d}', m) for fam, d in [('ResNet', 18), ('CIFAR-ResNet', 8),
@@ -67,6 +73,58 @@ def test_cifar_resnet_has_6n_plus_2_layers(depth, n):
     assert num_blocks(model) == 3 * n
     out = model(torch.rand(1, 3, 32, 32))
     assert [tuple(o.shape) for o in out] == [(1, 64, 8, 8)]  # stem keeps 32x32; strides 1, 2, 2
+
+
+class _Exec(Exception):
+    pass
+
+
+def _record_exec(monkeypatch):
+    calls = []
+
+    def fake_execve(path, argv, env):
+        calls.append((path, argv, env))
+        raise _Exec
+
+    monkeypatch.setattr(bench.os, 'execve', fake_execve)
+    return calls
+
+
+def test_restart_with_huge_pages_reexecutes_once_with_the_switch_on(monkeypatch):
+    calls = _record_exec(monkeypatch)
+    monkeypatch.delenv(THP_ENV, raising=False)
+    monkeypatch.setattr(bench.sys, 'platform', 'linux')
+    with pytest.raises(_Exec):
+        bench.restart_with_huge_pages(['tool.py', '--depths', '50'])
+    (path, argv, env), = calls
+    assert path == sys.executable and argv == [sys.executable, 'tool.py', '--depths', '50']
+    assert env[THP_ENV] == '1' and env['PATH'] == os.environ['PATH']  # the rest is kept
+    assert 'THP_MEM_ALLOC_ENABLE unset' in bench.allocator_description()
+    # the restarted process finds the switch on and goes on
+    monkeypatch.setenv(THP_ENV, '1')
+    bench.restart_with_huge_pages(['tool.py'])
+    assert len(calls) == 1 and bench.huge_pages_on()
+    assert f'{THP_ENV}=1 for every candidate' in bench.allocator_description()
+    # nowhere but on Linux
+    monkeypatch.delenv(THP_ENV)
+    monkeypatch.setattr(bench.sys, 'platform', 'darwin')
+    bench.restart_with_huge_pages(['tool.py'])
+    assert len(calls) == 1
+
+
+def test_benchmark_tool_restarts_from_the_command_line_only(monkeypatch):
+    spec = importlib.util.spec_from_file_location('kcla_benchmark_tool', TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    calls = _record_exec(monkeypatch)
+    monkeypatch.delenv(THP_ENV, raising=False)
+    monkeypatch.setattr(bench.sys, 'platform', 'linux')
+    monkeypatch.setattr(sys, 'argv', [str(TOOL), '--quick', '--out-dir', 'never'])
+    with pytest.raises(_Exec):
+        tool.main()
+    assert calls[0][1][1:] == [str(TOOL), '--quick', '--out-dir', 'never']
+    assert tool.parse_args(['--no-huge-pages']).no_huge_pages
+    assert not tool.parse_args([]).no_huge_pages
 
 
 def test_cifar_depth_must_be_6n_plus_2():

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kcla_mm.benchmark import allocator_description, restart_with_huge_pages
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
 from kcla_mm.ops import cpu_kernels
 
@@ -33,7 +34,12 @@ def main() -> None:
     parser.add_argument('--warmup', type=int, default=2)
     parser.add_argument('--train', action='store_true',
                         help='time training steps instead of eval forwards')
+    parser.add_argument('--no-huge-pages', action='store_true',
+                        help='keep torch\'s default allocator (by default the tool re-executes '
+                        'itself with THP_MEM_ALLOC_ENABLE=1, for every candidate)')
     args = parser.parse_args()
+    if not args.no_huge_pages:
+        restart_with_huge_pages()
     for name in ('batch', 'size', 'threads', 'repeats'):
         if getattr(args, name) < 1:
             parser.error(f'--{name} must be >= 1, got {getattr(args, name)}')
@@ -77,6 +83,7 @@ def main() -> None:
     print(f'ResNet-{args.depth}, {what}, batch {args.batch} at {args.size}x{args.size}, '
           f'{args.threads} CPU threads, torch {torch.__version__}, medians of {args.repeats} '
           f'interleaved rounds after {args.warmup} warm-up')
+    print(allocator_description())
     base = statistics.median(times['plain ResNet'])
     print(f'| candidate | {what} (ms) | ratio |\n| --- | ---: | ---: |')
     for name, ts in times.items():

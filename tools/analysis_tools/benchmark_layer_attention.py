@@ -27,7 +27,9 @@ parameters, buffers and input (kernel workspaces outside aten ops are not
 seen). Memory of compiled candidates on CPU: n/a (compiled kernels allocate
 outside the dispatcher). FLOPs: mmengine's FlopAnalyzer (one multiply-add =
 1), plus elementwise arithmetic unless --no-elementwise. The number of CPU
-threads is set with --threads and stated in the output.
+threads is set with --threads and stated in the output. On CPU the tool
+re-executes itself with THP_MEM_ALLOC_ENABLE=1 (torch's huge-page switch, for
+every candidate alike; --no-huge-pages keeps the default) and says so.
 
 Outputs in --out-dir: benchmark.md (settings + table), benchmark.json (all
 measurements, every repeat), benchmark.png (extra cost over the plain ResNet
@@ -51,7 +53,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
-                               build_backbone, count_flops, load_results, markdown_table, plot, run)
+                               allocator_description, build_backbone, count_flops, load_results,
+                               markdown_table, plot, restart_with_huge_pages, run)
 from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
@@ -100,6 +103,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     fmt.add_argument('--contiguous', action='store_true',
                      help='run every candidate in NCHW (default: each backbone\'s own choice, '
                      'channels-last with layer attention, NCHW without)')
+    parser.add_argument('--no-huge-pages', action='store_true',
+                        help='on CPU, keep torch\'s default allocator; by default the tool '
+                        're-executes itself with THP_MEM_ALLOC_ENABLE=1, so every candidate '
+                        'allocates on huge pages (see kcla_mm.benchmark.restart_with_huge_pages)')
     parser.add_argument('--compile', action='store_true',
                         help='also measure every candidate through torch.compile')
     parser.add_argument('--no-elementwise', action='store_true',
@@ -185,6 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     device = torch.device(args.device)
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('--device cuda: CUDA is not available')
+    if argv is None and device.type == 'cpu' and not args.no_huge_pages:
+        restart_with_huge_pages()  # the command line: same arguments, new process
     channels_last = True if args.channels_last else (False if args.contiguous else None)
     settings = {'imagenet': Setting(args.batch, args.size),
                 'cifar': Setting(args.cifar_batch, args.cifar_size)}
@@ -220,6 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     header = [
         f'device: {device_description(device)}; torch {torch.__version__}; '
         f'CPU threads: {torch.get_num_threads()}',
+    ] + ([allocator_description()] if device.type == 'cpu' else []) + [
         f'ResNet: batch {args.batch} at {args.size}x{args.size}; CIFAR ResNet: batch '
         f'{args.cifar_batch} at {args.cifar_size}x{args.cifar_size}'
         + ('; tiny widths (--quick)' if args.quick else ''),
