@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -80,15 +81,19 @@ inline void row_tiles(int64_t W, int64_t C, F&& f) {
   row_tiles_of<OneLane>(W, cv, C, f);
 }
 
-// The 9 taps of channels c0.. from wt [9, C] (tap-major).
+// Where tap i of channel c lies in a table of taps() (see there).
+inline int64_t tap_index(int64_t c, int64_t i) { return (c / VL) * 9 * VL + i * VL + c % VL; }
+
+// The 9 taps of channels c0.. from a table of taps().
 template <class L>
-inline void load_taps(const float* wt, int64_t C, int64_t c0, typename L::V k[9]) {
-  for (int i = 0; i < 9; ++i) k[i] = L::load(wt + i * C + c0);
+inline void load_taps(const float* wt, int64_t /*C*/, int64_t c0, typename L::V k[9]) {
+  for (int i = 0; i < 9; ++i) k[i] = L::load(wt + tap_index(c0, i));
 }
 
 // in[i][j] = rows[i] at pixel w0 - 1 + j, channels c0..: the inputs of the
 // depthwise 3x3 convolution at NW pixels from w0; zero outside the map (rows[i]
-// null, or the pixel past the row's ends: zero padding).
+// null, or the pixel past the row's ends: zero padding). C: the pixel stride of
+// the rows (StagedRows::stride() for staged rows).
 template <class L, int NW>
 inline void load_window(const float* const rows[3], int64_t w0, int64_t W, int64_t C,
                         int64_t c0, typename L::V in[3][NW + 2]) {
@@ -114,7 +119,8 @@ inline void conv_window(const typename L::V k[9], const typename L::V in[3][NW +
 
 // acc[j] = (k * rows)(w0 + j) for channels c0..: the depthwise 3x3 convolution
 // (cross-correlation, zero padding) at NW pixels; rows[i] is the row of the
-// i-th tap row, null outside the map. Each input vector is loaded once.
+// i-th tap row, null outside the map; C: the pixel stride of the rows. Each
+// input vector is loaded once.
 template <class L, int NW>
 inline void conv_acc(const float* const rows[3], const typename L::V k[9], int64_t w0,
                      int64_t W, int64_t C, int64_t c0, typename L::V acc[NW]) {
@@ -171,9 +177,10 @@ struct RowPrefetch {
 };
 
 // out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero
-// padding; wt: [9, C] (tap-major), a, shift: [C].
+// padding; wt: a table of taps(), a, shift: [C].
+// (P: the pixel stride of rows, e.g. StagedRows::stride(); x and out: C)
 inline void conv_row(const float* const rows[3], const float* x, float* out, const float* wt,
-                     const float* a, const float* shift, int64_t W, int64_t C,
+                     const float* a, const float* shift, int64_t W, int64_t C, int64_t P,
                      const RowPrefetch& pf = RowPrefetch{}) {
   row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
     using L = decltype(lanes);
@@ -182,7 +189,7 @@ inline void conv_row(const float* const rows[3], const float* x, float* out, con
     pf.tile<NW>(w0, C, c0);
     V k[9], acc[NW];
     load_taps<L>(wt, C, c0, k);
-    conv_acc<L, NW>(rows, k, w0, W, C, c0, acc);
+    conv_acc<L, NW>(rows, k, w0, W, P, c0, acc);
     const V va = L::load(a + c0), vs = L::load(shift + c0), zero = L::splat(0.f);
     for (int j = 0; j < NW; ++j) {
       const int64_t o = (w0 + j) * C + c0;
@@ -193,14 +200,57 @@ inline void conv_row(const float* const rows[3], const float* x, float* out, con
   });
 }
 
-// wv [C, 1, 3, 3] as [9, C], tap-major; flipped: tap 8 - i (the transposed
+// wv [C, 1, 3, 3] as blocks of VL channels, each [9, VL] (tap_index): the 9
+// taps of one vector of channels lie together. (Tap-major [9, C] put them C
+// floats apart, in one L1 set when C is a multiple of 256: 9 lines in an
+// 8-way set, reloaded at every tile.) Flipped: tap 8 - i (the transposed
 // convolution of the backward pass).
 inline std::vector<float> taps(const float* wv, int64_t C, bool flipped = false) {
-  std::vector<float> wt(9 * C);
+  std::vector<float> wt(((C + VL - 1) / VL) * 9 * VL, 0.f);
   for (int64_t c = 0; c < C; ++c)
-    for (int64_t i = 0; i < 9; ++i) wt[i * C + c] = wv[c * 9 + (flipped ? 8 - i : i)];
+    for (int64_t i = 0; i < 9; ++i) wt[tap_index(c, i)] = wv[c * 9 + (flipped ? 8 - i : i)];
   return wt;
 }
+
+// Pixel stride of staged rows: C floats plus one cache line where C floats
+// are a multiple of 512 bytes. In a channels-last map the pixels are C floats
+// apart; for C = 128, 256, ... the 18 input vectors of a tile of the 3x3
+// convolution then fall into one to four L1 sets (8 ways each), together with
+// the other maps' vectors of the tile, so that every load misses L1 (the
+// kernels ran 1.5-2.6x slower per element at C = 256 and 1024 than at 272 and
+// 1040).
+inline int64_t staged_stride(int64_t C) { return C % 128 == 0 ? C + 16 : C; }
+
+// A ring of 3 rows of a map (W pixels of C channels) with the pixel stride
+// staged_stride(C), 64-byte aligned, each slot one cache line further into
+// the sets than the last: the rows a 3x3 convolution reads, copied in once
+// per row (a sequential copy) where the map's own stride aliases. Where it
+// does not, stage() hands back the map's row itself.
+class StagedRows {
+ public:
+  StagedRows(int64_t W, int64_t C)
+      : W_(W), C_(C), P_(staged_stride(C)),
+        slot_(((W * P_ + 15) / 16) * 16 + 16),
+        buf_(P_ == C ? 0 : 3 * slot_ + 16) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buf_.data());
+    base_ = buf_.data() + ((64 - p % 64) % 64) / sizeof(float);
+  }
+  int64_t stride() const { return P_; }
+  // ring slot of row h (h >= -1); only where stride() != C
+  float* slot(int64_t h) { return base_ + ((h + 3) % 3) * slot_; }
+  // row h of the map (src: its W * C floats) in the ring; src itself if no copy is needed
+  const float* stage(int64_t h, const float* src) {
+    if (P_ == C_ || src == nullptr) return src;
+    float* dst = slot(h);
+    for (int64_t w = 0; w < W_; ++w) std::memcpy(dst + w * P_, src + w * C_, C_ * sizeof(float));
+    return dst;
+  }
+
+ private:
+  int64_t W_, C_, P_, slot_;
+  std::vector<float> buf_;
+  float* base_;
+};
 
 inline void check_map(const char* op, const at::Tensor& t, const char* name,
                       at::IntArrayRef shape) {

@@ -192,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
         for (int64_t i = 0; i < di; ++i)
           wa_t[(g * di + i) * dout + c] = wa[(g * dout + c) * di + i];
   }
-  const std::vector<float> wt = taps(wvp, C);  // [9, C], tap-major
+  const std::vector<float> wt = taps(wvp, C);  // the layout of taps()
   const int64_t HW = H * W, plane = HW * C;
   const float* xp = x.data_ptr<float>();
 
@@ -376,10 +376,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
         return mb + h * row;
       };
       state_row(h0);
+      StagedRows st(W, C);
+      const float* up = st.stage(h0 - 1, mean_row(h0 - 1));
+      const float* mid = st.stage(h0, mean_row(h0));
       for (int64_t h = h0; h < h1; ++h) {
         if (h + 1 < h1) state_row(h + 1);
-        const float* rows[3] = {mean_row(h - 1), mean_row(h), mean_row(h + 1)};
-        conv_row(rows, xb + h * row, ob + h * row, wtp, a.data() + b * C, nbp, W, C);
+        const float* down = st.stage(h + 1, mean_row(h + 1));
+        const float* rows[3] = {up, mid, down};
+        conv_row(rows, xb + h * row, ob + h * row, wtp, a.data() + b * C, nbp, W, C,
+                 st.stride());
+        up = mid;
+        mid = down;
       }
     }
   });

@@ -107,6 +107,8 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
   bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
     // the state rows just outside the band, computed here as well
     std::vector<float> halo(has_prev ? 2 * row : 0), s1(C), s2(C);
+    StagedRows st(W, C);
+    const int64_t P = st.stride();
     const float* xb = xp + b * m.plane;
     float* mb = has_prev ? mp + b * m.plane : nullptr;
     auto state_row = [&](int64_t h, float* dst) {
@@ -125,9 +127,14 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
       state_row(h0, mb + h0 * row);
     }
     double* acc = partial.data() + t * 2 * C;
+    const float* up = st.stage(h0 - 1, mean_row(h0 - 1));
+    const float* mid = st.stage(h0, mean_row(h0));
     for (int64_t h = h0; h < h1; ++h) {
       if (has_prev && h + 1 < h1) state_row(h + 1, mb + (h + 1) * row);
-      const float* rows[3] = {mean_row(h - 1), mean_row(h), mean_row(h + 1)};
+      const float* down = st.stage(h + 1, mean_row(h + 1));
+      const float* rows[3] = {up, mid, down};
+      up = mid;
+      mid = down;
       std::fill(s1.begin(), s1.end(), 0.f);
       std::fill(s2.begin(), s2.end(), 0.f);
       row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
@@ -136,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
         constexpr int NW = decltype(nw)::value;
         V k[9], v[NW];  // (no prefetch: it measured slower here, the lerp reads rows in order)
         load_taps<L>(wt.data(), C, c0, k);
-        conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
+        conv_acc<L, NW>(rows, k, w0, W, P, c0, v);
         V a1 = L::load(s1.data() + c0), a2 = L::load(s2.data() + c0);
         for (int j = 0; j < NW; ++j) {
           a1 += v[j];
@@ -170,14 +177,20 @@ at::Tensor train_apply(const at::Tensor& x, const at::Tensor& mean, const at::Te
   float* op_ = out.data_ptr<float>();
   Bands(m.B, H).run([&](int64_t b, int64_t h0, int64_t h1, int64_t) {
     const float* mb = mp + b * m.plane;
+    StagedRows st(m.W, C);
+    auto mean_row = [&](int64_t h) { return h >= 0 && h < H ? mb + h * row : nullptr; };
+    const float* up = st.stage(h0 - 1, mean_row(h0 - 1));
+    const float* mid = st.stage(h0, mean_row(h0));
     for (int64_t h = h0; h < h1; ++h) {
-      const float* rows[3] = {h > 0 ? mb + (h - 1) * row : nullptr, mb + h * row,
-                              h + 1 < H ? mb + (h + 1) * row : nullptr};
+      const float* down = st.stage(h + 1, mean_row(h + 1));
+      const float* rows[3] = {up, mid, down};
       RowPrefetch pf;  // the rows row h + 1 reads first
       pf.rows[0] = h + 2 < H ? mb + (h + 2) * row : nullptr;
       pf.rows[1] = h + 1 < H ? xp + b * m.plane + (h + 1) * row : nullptr;
       conv_row(rows, xp + b * m.plane + h * row, op_ + b * m.plane + h * row, wt.data(),
-               ap + b * C, sp + b * C, m.W, C, pf);
+               ap + b * C, sp + b * C, m.W, C, st.stride(), pf);
+      up = mid;
+      mid = down;
     }
   });
   return out;
@@ -204,9 +217,16 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
     const float* mb = mp + b * m.plane;
     const float keep = kp ? kp[b] : 1.f;
     double* acc = partial.data() + t * 2 * C;
+    StagedRows st(W, C);
+    const int64_t P = st.stride();
+    auto mean_row = [&](int64_t h) { return h >= 0 && h < H ? mb + h * row : nullptr; };
+    const float* up = st.stage(h0 - 1, mean_row(h0 - 1));
+    const float* mid = st.stage(h0, mean_row(h0));
     for (int64_t h = h0; h < h1; ++h) {
-      const float* rows[3] = {h > 0 ? mb + (h - 1) * row : nullptr, mb + h * row,
-                              h + 1 < H ? mb + (h + 1) * row : nullptr};
+      const float* down = st.stage(h + 1, mean_row(h + 1));
+      const float* rows[3] = {up, mid, down};
+      up = mid;
+      mid = down;
       const float* gr = gp + b * m.plane + h * row;
       RowPrefetch pf;  // what row h + 1 reads first: mean at h + 2, gy at h + 1
       pf.rows[0] = h + 2 < H ? mb + (h + 2) * row : nullptr;
@@ -220,7 +240,7 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
         pf.tile<NW>(w0, C, c0);
         V k[9], v[NW];
         load_taps<L>(wt.data(), C, c0, k);
-        conv_acc<L, NW>(rows, k, w0, W, C, c0, v);
+        conv_acc<L, NW>(rows, k, w0, W, P, c0, v);
         const V va = L::load(ap + b * C + c0), vs = L::load(sp + b * C + c0);
         const V vk = L::splat(keep);
         V a1 = L::load(r1.data() + c0), a2 = L::load(r2.data() + c0);
@@ -286,22 +306,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
   float* gpp = has_prev ? gprev.data_ptr<float>() : nullptr;
   const Bands bands(B, H);
   // per task: [2C] grad stats, [C] gbeta, [9C] gwv (tap-major)
-  const int64_t n_red = 12 * C;
+  const int64_t n_red = 12 * C;  // (red, the float row sums, holds gw as taps() lays out)
+  const int64_t n_red_f = 3 * C + ((C + VL - 1) / VL) * 9 * VL;
   std::vector<double> partial(bands.tasks * n_red, 0.0);
   bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
-    std::vector<float> ring(3 * row), red(n_red);  // gv rows h-1, h, h+1; row sums
+    // gv rows h-1, h, h+1 (a ring with the staged pixel stride P); the mean
+    // rows the convolution reads, staged; row sums (gw in the layout of taps())
+    StagedRows st(W, C);
+    const int64_t P = st.stride(), ring_row = ((W * P + 15) / 16) * 16 + 16;
+    std::vector<float> ring_buf(3 * ring_row + 16), red(n_red_f);
+    float* ring = ring_buf.data() +
+                  ((64 - reinterpret_cast<uintptr_t>(ring_buf.data()) % 64) % 64) / sizeof(float);
     float *r1 = red.data(), *r2 = r1 + C, *gb = r2 + C, *gw = gb + C;
     const int64_t off = b * m.plane, bc = b * C;
     const float* mb = mp + off;
     const float keep = kp ? kp[b] : 1.f;
-    auto slot = [&](int64_t r) { return ring.data() + ((r + 3) % 3) * row; };
+    auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * ring_row; };
     auto mean_row = [&](int64_t h) -> const float* {
       return h >= 0 && h < H ? mb + h * row : nullptr;
+    };
+    // staged mean rows: the highest staged so far, and each row's pointer
+    int64_t staged_hi = (h0 > 0 ? h0 - 1 : h0) - 2;  // the first gv row reads from row - 1
+    const float* staged[3] = {nullptr, nullptr, nullptr};
+    auto staged_row = [&](int64_t q) -> const float* {
+      if (q < 0 || q >= H) return nullptr;
+      for (; staged_hi < q; ) {
+        ++staged_hi;
+        staged[(staged_hi + 3) % 3] = st.stage(staged_hi, mean_row(staged_hi));
+      }
+      return staged[(q + 3) % 3];
     };
     // gv row r into the ring; own: the row is this band's, its sums count here
     auto gv_row = [&](int64_t r, bool own) {
       float* dst = slot(r);
-      const float* rows[3] = {mean_row(r - 1), mean_row(r), mean_row(r + 1)};
+      const float* rows[3];
+      rows[2] = staged_row(r + 1);  // stages r - 1 .. r + 1 as needed, in order
+      rows[0] = staged_row(r - 1);
+      rows[1] = staged_row(r);
       const float* gr = gyp + off + r * row;
       RowPrefetch pf;  // what gv row r + 1 reads first: mean at r + 2, gy at r + 1
       pf.rows[0] = r + 2 < H ? mb + (r + 2) * row : nullptr;
@@ -313,7 +354,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         pf.tile<NW>(w0, C, c0);
         V k[9], in[3][NW + 2], v[NW], gv[NW];
         load_taps<L>(wt.data(), C, c0, k);
-        load_window<L, NW>(rows, w0, W, C, c0, in);
+        load_window<L, NW>(rows, w0, W, P, c0, in);
         conv_window<L, NW>(k, in, v);
         const V va = L::load(ap + bc + c0), vs = L::load(sp + bc + c0), vk = L::splat(keep);
         const V al = L::load(alp + bc + c0), ka = L::load(kap + bc + c0),
@@ -323,7 +364,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
           const int64_t o = (w0 + j) * C + c0;
           const V g = relu_grad<L>(v[j], va, vs, L::load(gr + o), vk);
           gv[j] = al * g + ka + la * v[j];
-          L::store(dst + o, gv[j]);
+          L::store(dst + (w0 + j) * P + c0, gv[j]);
           a1 += g;
           a2 += g * v[j];
         }
@@ -336,7 +377,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
           for (int tap = 0; tap < 3; ++tap) {
             V s = gv[0] * in[i][tap];
             for (int j = 1; j < NW; ++j) s += gv[j] * in[i][j + tap];
-            float* g = gw + (3 * i + tap) * C + c0;
+            float* g = gw + tap_index(c0, 3 * i + tap);
             L::store(g, L::load(g) + s);
           }
         }
@@ -362,7 +403,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         pf.tile<NW>(w0, C, c0);
         V k[9], gm[NW];
         load_taps<L>(wt_flip.data(), C, c0, k);  // the transposed convolution
-        conv_acc<L, NW>(rows, k, w0, W, C, c0, gm);
+        conv_acc<L, NW>(rows, k, w0, W, P, c0, gm);
         if (!has_prev) {
           for (int j = 0; j < NW; ++j) {
             const int64_t o = ro + (w0 + j) * C + c0;
@@ -387,7 +428,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     };
     double* acc = partial.data() + t * n_red;
     auto flush = [&]() {
-      for (int64_t i = 0; i < n_red; ++i) acc[i] += red[i];
+      for (int64_t i = 0; i < 3 * C; ++i) acc[i] += red[i];
+      for (int64_t i = 0; i < 9; ++i)  // gw: from the layout of taps() to tap-major
+        for (int64_t c = 0; c < C; ++c) acc[(3 + i) * C + c] += gw[tap_index(c, i)];
       std::fill(red.begin(), red.end(), 0.f);
     };
     if (h0 > 0) gv_row(h0 - 1, false);
