@@ -13,9 +13,9 @@
 //   train_backward    gx, gprev, sum over pixels of gm (x - prev), dL/dWv,
 //                     and the sums of train_grad_stats again
 // v is never stored: every pass recomputes it from the rows of mean, which
-// stay in cache. Reductions go through per-task partial sums in double,
-// combined in a fixed order, so results do not depend on the thread count's
-// scheduling.
+// stay in cache. Reductions sum in float over up to 8 rows, then go through
+// per-task partial sums in double, combined in a fixed order, so results do
+// not depend on the thread count's scheduling.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -135,8 +135,6 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
       const float* rows[3] = {up, mid, down};
       up = mid;
       mid = down;
-      std::fill(s1.begin(), s1.end(), 0.f);
-      std::fill(s2.begin(), s2.end(), 0.f);
       row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
         using L = decltype(lanes);
         using V = typename L::V;
@@ -152,9 +150,13 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
         L::store(s1.data() + c0, a1);
         L::store(s2.data() + c0, a2);
       });
-      for (int64_t c = 0; c < C; ++c) {
-        acc[c] += s1[c];
-        acc[C + c] += s2[c];
+      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+        for (int64_t c = 0; c < C; ++c) {
+          acc[c] += s1[c];
+          acc[C + c] += s2[c];
+        }
+        std::fill(s1.begin(), s1.end(), 0.f);
+        std::fill(s2.begin(), s2.end(), 0.f);
       }
     }
   });
@@ -231,8 +233,6 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
       RowPrefetch pf;  // what row h + 1 reads first: mean at h + 2, gy at h + 1
       pf.rows[0] = h + 2 < H ? mb + (h + 2) * row : nullptr;
       pf.rows[1] = h + 1 < H ? gr + row : nullptr;
-      std::fill(r1.begin(), r1.end(), 0.f);
-      std::fill(r2.begin(), r2.end(), 0.f);
       row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
         using L = decltype(lanes);
         using V = typename L::V;
@@ -252,9 +252,13 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
         L::store(r1.data() + c0, a1);
         L::store(r2.data() + c0, a2);
       });
-      for (int64_t c = 0; c < C; ++c) {
-        acc[c] += r1[c];
-        acc[C + c] += r2[c];
+      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+        for (int64_t c = 0; c < C; ++c) {
+          acc[c] += r1[c];
+          acc[C + c] += r2[c];
+        }
+        std::fill(r1.begin(), r1.end(), 0.f);
+        std::fill(r2.begin(), r2.end(), 0.f);
       }
     }
   });
@@ -438,7 +442,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     for (int64_t h = h0; h < h1; ++h) {
       if (h + 1 < H) gv_row(h + 1, h + 1 < h1);
       grad_row(h);
-      flush();
+      // into double every 8 rows: flushing 12 C sums per row cost as much as
+      // a row's work at C = 2048, W = 7
+      if ((h - h0) % 8 == 7 || h + 1 == h1) flush();
     }
   });
   at::Tensor sums = bands.per_sample_sums(partial, B, n_red);  // [B, 12 C]
