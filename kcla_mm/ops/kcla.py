@@ -541,7 +541,15 @@ def _unpack(saved):
     if isinstance(saved, _SavedOutput):
         ctx = saved.node
         if isinstance(ctx, fused_tail_cpu.FusedTail._backward_cls):
-            return fused_tail_cpu.recompute_output(ctx)
+            # one recomputation for all saved copies (a stage's first block
+            # saves its input for conv1 and the downsample): kept from the
+            # first unpacking to the last
+            out = getattr(ctx, 'kcla_output', None)
+            if out is None:
+                out = fused_tail_cpu.recompute_output(ctx)
+            ctx.kcla_saved_copies -= 1
+            ctx.kcla_output = out if ctx.kcla_saved_copies > 0 else None
+            return out
         if ctx.analytic:
             return _parts(ctx).output()
         return _recomputed(ctx)[1].detach()
@@ -666,7 +674,9 @@ def saved_output_hooks(y: Tensor):
 
     def pack(t: Tensor):
         if t is y_ref() and t._version == version:
-            return _SavedOutput(node_ref())
+            node = node_ref()
+            node.kcla_saved_copies = getattr(node, 'kcla_saved_copies', 0) + 1
+            return _SavedOutput(node)
         # autograd re-attaches the graph on unpacking; the tensor itself would
         # make a reference cycle (an op's saved output -> its node -> the
         # output) that is never freed

@@ -127,6 +127,10 @@ def test_backbone_training_step_as_accurate_as_the_recomputed_path(monkeypatch, 
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
     results = []
+    recomputed = []
+    recompute = fused_tail_cpu.recompute_output
+    monkeypatch.setattr(fused_tail_cpu, 'recompute_output',
+                        lambda ctx: recomputed.append(ctx) or recompute(ctx))
     for dtype, fused in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
         net = copy.deepcopy(model).to(dtype)
         with monkeypatch.context() as m:
@@ -140,6 +144,10 @@ def test_backbone_training_step_as_accurate_as_the_recomputed_path(monkeypatch, 
         res.update({n: b for n, b in net.named_buffers() if 'running' in n})
         results.append(res)
         assert len(fused_calls) == (16 if fused else 0)
+    # each output the next block saves is recomputed once, also where conv1 and
+    # the downsample of a stage's first block both saved it (15, not 18)
+    assert len(recomputed) == 15 and len(set(map(id, recomputed))) == 15
+    assert all(getattr(ctx, 'kcla_output', None) is None for ctx in recomputed)  # released
     want, eager, got = results
     assert got.keys() == want.keys() and all(v is not None for v in got.values())
     err_fused, err_eager = relative_errors(got, want), relative_errors(eager, want)
