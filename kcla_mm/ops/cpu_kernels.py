@@ -38,7 +38,7 @@ _SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
 _HEADERS = (_CSRC / 'kcla_cpu.h', )
 #: the ops the build registers under ``torch.ops.kcla_mm``
 OPS = ('eval_step', 'train_stats', 'train_apply', 'train_grad_stats', 'train_backward',
-       'head_forward', 'head_backward')
+       'tail_coeffs', 'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

@@ -3,7 +3,7 @@
 :class:`FusedTail` computes :meth:`kcla_mm.ops.KCLA.tail` with a training-mode
 (or eval-mode) BatchNorm as ``torch.ops.kcla_mm.train_*`` passes over the
 feature maps (``csrc/kcla_train_cpu.cpp``), with the ``[B, C]``-sized algebra
-here in float64::
+(BatchNorm, gate and drop-path mask folded) in float64 by the ``tail_*`` ops::
 
     mean = lerp(prev, x, beta)      v = Wv * mean       s = scale v
     o = gamma (s - mu) / sigma + b  out = x + keep relu(o)
@@ -17,7 +17,7 @@ backward: ``x``, ``prev`` and ``mean`` (which the neighbouring blocks keep
 anyway) and ``[B, C]`` vectors; the output is recomputed by one pass where a
 later block saved it (see :func:`kcla_mm.ops.kcla.saved_output_hooks`).
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -53,16 +53,12 @@ def applicable(norm: nn.Module, x: Tensor, prev: Optional[Tensor], wv_weight: Te
                             and prev.stride() == x.stride())
 
 
-def _update_running_stats(norm: nn.BatchNorm2d, mu: Tensor, var: Tensor, n: int) -> None:
-    """What ``nn.BatchNorm2d.forward`` does to the running statistics in training mode."""
+def _momentum_factor(norm: nn.BatchNorm2d) -> float:
+    """Counts the batch and returns the running statistics' update factor, as ``nn.BatchNorm2d``."""
     norm.num_batches_tracked.add_(1)
     if norm.momentum is None:  # cumulative moving average
-        factor = 1.0 / float(norm.num_batches_tracked)
-    else:
-        factor = norm.momentum
-    norm.running_mean.mul_(1 - factor).add_(mu.to(norm.running_mean.dtype), alpha=factor)
-    norm.running_var.mul_(1 - factor).add_((var * (n / (n - 1))).to(norm.running_var.dtype),
-                                           alpha=factor)
+        return 1.0 / float(norm.num_batches_tracked)
+    return float(norm.momentum)
 
 
 class FusedTail(torch.autograd.Function):
@@ -86,22 +82,19 @@ class FusedTail(torch.autograd.Function):
         mean, sums = ops.train_stats(x, prev, flat, wv_weight)  # sums: [B, 2, C] float64
         if prev is None:
             mean = x
-        sc = scale.detach().reshape(b, c).double()
-        if norm.training:  # batch statistics of s = sc v
-            mu = (sc * sums[:, 0]).sum(0) / n  # [C]
-            var = ((sc * sc * sums[:, 1]).sum(0) / n - mu * mu).clamp_min_(0)
-            _update_running_stats(norm, mu, var, n)
-        else:
-            mu, var = norm.running_mean.double(), norm.running_var.double()
-        invstd = torch.rsqrt(var + norm.eps)
-        p = weight.detach().double() * invstd  # d o / d s, [C]
+        sc = scale.detach().reshape(b, c).contiguous()
         kv = None if keep is None else keep.reshape(b).float().contiguous()
-        kd = 1.0 if keep is None else kv.double()[:, None]
-        a = (kd * sc * p).float().contiguous()  # [B, C]: keep relu(o) = relu(keep o), keep >= 0
-        shift = (kd * (bias.detach().double() - p * mu)).float().expand(b, c).contiguous()
+        weight = weight.detach()
+        factor = _momentum_factor(norm) if norm.training else 0.0
+        # BatchNorm (batch statistics of s = sc v, or the running ones), gate and
+        # drop-path mask folded: keep relu(o) = relu(a v + shift); updates the
+        # running statistics in training
+        a, shift, mu, invstd = ops.tail_coeffs(sums, sc, kv, weight, bias.detach(),
+                                               norm.running_mean, norm.running_var,
+                                               norm.training, factor, norm.eps, n)
         ctx.layer, ctx.bn_training, ctx.n = layer, norm.training, n
-        ctx.vectors = (sums, mu, invstd, p, a, shift, flat, kv)
-        ctx.save_for_backward(x, prev, mean, scale, wv_weight)
+        ctx.vectors = (sums, sc, weight, mu, invstd, a, shift, flat, kv)
+        ctx.save_for_backward(x, prev, mean, wv_weight)
         out = ops.train_apply(x, mean, wv_weight, a, shift)
         return out, mean
 
@@ -109,42 +102,24 @@ class FusedTail(torch.autograd.Function):
     @once_differentiable  # the kernels are not differentiable: double backward raises
     def backward(ctx, gy: Tensor, gmean: Optional[Tensor]):
         ops = torch.ops.kcla_mm
-        x, prev, mean, scale, wv_weight = ctx.saved_tensors
-        sums, mu, invstd, p, a, shift, flat, kv = ctx.vectors
+        x, prev, mean, wv_weight = ctx.saved_tensors
+        sums, sc, weight, mu, invstd, a, shift, flat, kv = ctx.vectors
         b, c = x.shape[:2]
-        n = ctx.n
         gy = gy.contiguous(memory_format=CL)
         if gmean is not None:
             gmean = gmean.contiguous(memory_format=CL)
-        sc = scale.detach().reshape(b, c).double()
-
-        def param_grads(r: Tensor) -> Tuple[Tensor, Tensor]:
-            # r [B, 2, C]: sums of g = dL/do and of g v; o = gamma s_hat + b
-            gb = r[:, 0].sum(0)
-            gg = invstd * ((sc * r[:, 1]).sum(0) - mu * gb)  # sum g s_hat
-            return gg, gb
-
-        alpha = sc * p  # gv = alpha g + kappa + lam v
-        if ctx.bn_training:  # gs = p (g - gb / n - s_hat gg / n)
-            gg, gb = param_grads(ops.train_grad_stats(gy, mean, wv_weight, a, shift, kv))
-            q = p * (invstd * mu * gg - gb) / n  # [C]
-            r_ = -p * invstd * gg / n  # [C]
-            kappa, lam = sc * q, sc * sc * r_
-        else:
-            q = r_ = torch.zeros_like(p)
-            kappa = lam = torch.zeros_like(alpha)
-        gx, gprev, gbeta, gwv, r = ops.train_backward(
-            gy, gmean, x, prev, mean, flat, wv_weight, a, shift, kv, alpha.float().contiguous(),
-            kappa.float().contiguous(), lam.float().contiguous())
-        if not ctx.bn_training:
-            gg, gb = param_grads(r)
-        # d L / d scale = sum over pixels of gs v
-        gscale = p * r[:, 1] + q * sums[:, 0] + r_ * sc * sums[:, 1]  # [B, C]
+        # gv = alpha g + kappa + lam v (BatchNorm's batch statistics: sums of the
+        # gradient over the batch first)
+        stats = (ops.train_grad_stats(gy, mean, wv_weight, a, shift, kv) if ctx.bn_training
+                 else None)
+        alpha, kappa, lam, qr = ops.tail_grad_coeffs(stats, sc, weight, mu, invstd, ctx.n)
+        gx, gprev, gbeta, gwv, r = ops.train_backward(gy, gmean, x, prev, mean, flat, wv_weight,
+                                                      a, shift, kv, alpha, kappa, lam)
+        gweight, gbias, gscale = ops.tail_param_grads(r, sums, sc, weight, mu, invstd, qr)
         dt = x.dtype
         return (None, gx, gprev if prev is not None else None,
                 None if prev is None else gbeta.to(dt).view(b, c, 1, 1),
-                gscale.to(dt).view(b, c, 1, 1), None, gwv.to(dt).view_as(wv_weight),
-                gg.to(dt), gb.to(dt))
+                gscale.view(b, c, 1, 1), None, gwv.to(dt).view_as(wv_weight), gweight, gbias)
 
 
 class HeadMath(torch.autograd.Function):
@@ -183,6 +158,6 @@ class HeadMath(torch.autograd.Function):
 
 def recompute_output(ctx) -> Tensor:
     """The forward output of a :class:`FusedTail` node, recomputed (one pass)."""
-    x, _, mean, _, wv_weight = ctx.saved_tensors
-    a, shift = ctx.vectors[4:6]
+    x, _, mean, wv_weight = ctx.saved_tensors
+    a, shift = ctx.vectors[5:7]
     return torch.ops.kcla_mm.train_apply(x, mean, wv_weight, a, shift)

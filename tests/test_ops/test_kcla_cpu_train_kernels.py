@@ -249,6 +249,61 @@ def test_kernels_equal_their_definitions(c):
     assert gprev0.numel() == 0
 
 
+@pytest.mark.parametrize('training', [True, False])
+def test_tail_algebra_equals_batchnorm_and_its_autograd(training):
+    # tail_coeffs, tail_grad_coeffs and tail_param_grads against nn.BatchNorm2d
+    # (float64) on s = scale v, and its autograd, for a gradient G = dL/do
+    ops = torch.ops.kcla_mm
+    g = torch.Generator().manual_seed(0)
+    b, c, h, w = 3, 8, 4, 5
+    n = b * h * w
+    v = torch.randn(b, c, h, w, generator=g, dtype=torch.float64)
+    sc = torch.rand(b, c, generator=g) + 0.5
+    keep = torch.tensor([1.0, 0.0, 2.0])
+    weight, bias = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    rm, rv = torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5
+    sums = torch.stack([v.sum((2, 3)), (v * v).sum((2, 3))], 1)
+    rm_, rv_ = rm.clone(), rv.clone()
+    a, shift, mu, invstd = ops.tail_coeffs(sums, sc, keep, weight, bias, rm_, rv_, training,
+                                           0.1, 1e-5, n)
+    bn = torch.nn.BatchNorm2d(c, momentum=0.1).double().train(training)
+    with torch.no_grad():
+        bn.weight.copy_(weight)
+        bn.bias.copy_(bias)
+        bn.running_mean.copy_(rm)
+        bn.running_var.copy_(rv)
+    bc = (lambda t: t.double()[:, :, None, None])
+    s = (bc(sc) * v).requires_grad_()
+    o = bn(s)
+    close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+    close(bc(a) * v + bc(shift), keep.double()[:, None, None, None] * o)
+    close(rm_, bn.running_mean.float())  # moved in training, untouched in eval
+    close(rv_, bn.running_var.float())
+    assert torch.equal(rm_, rm) != training
+    G = torch.randn(b, c, h, w, generator=g, dtype=torch.float64)
+    gs, gweight, gbias = torch.autograd.grad(o, (s, bn.weight, bn.bias), G)
+    stats = torch.stack([G.sum((2, 3)), (G * v).sum((2, 3))], 1)
+    alpha, kappa, lam, qr = ops.tail_grad_coeffs(stats if training else None, sc, weight, mu,
+                                                 invstd, n)
+    close(bc(alpha) * G + bc(kappa) + bc(lam) * v, gs * bc(sc))  # dL/dv
+    got_w, got_b, got_scale = ops.tail_param_grads(stats, sums, sc, weight, mu, invstd, qr)
+    close(got_w.double(), gweight)
+    close(got_b.double(), gbias)
+    close(got_scale.double(), (gs * v).sum((2, 3)))  # dL/dscale
+
+
+def test_tail_algebra_rejects_bad_arguments():
+    ops = torch.ops.kcla_mm
+    sums, sc, wb = torch.rand(2, 2, 4, dtype=torch.float64), torch.rand(2, 4), torch.rand(4)
+    with pytest.raises(RuntimeError, match='more than one value per channel, got 1'):
+        ops.tail_coeffs(sums, sc, None, wb, wb, wb.clone(), wb.clone(), True, 0.1, 1e-5, 1)
+    with pytest.raises(RuntimeError, match='sums must be'):
+        ops.tail_coeffs(sums.float(), sc, None, wb, wb, wb.clone(), wb.clone(), True, 0.1,
+                        1e-5, 8)
+    with pytest.raises(RuntimeError, match='weight must be'):
+        ops.tail_grad_coeffs(None, sc, torch.rand(5), sums[0, 0], sums[0, 0], 8)
+
+
 def test_double_backward_raises_instead_of_being_wrong(fused_calls):
     layer = make(32, 16)
     x = cl(torch.rand(2, 32, 6, 6)).requires_grad_()

@@ -448,7 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     }
   });
   at::Tensor sums = bands.per_sample_sums(partial, B, n_red);  // [B, 12 C]
-  at::Tensor stats = sums.narrow(1, 0, 2 * C).reshape({B, 2, C});
+  at::Tensor stats = sums.narrow(1, 0, 2 * C).reshape({B, 2, C}).contiguous();
   at::Tensor gbeta = sums.narrow(1, 2 * C, C).contiguous();
   at::Tensor gwv = sums.narrow(1, 3 * C, 9 * C).sum(0).view({9, C}).t().contiguous();
   return std::make_tuple(gx, gprev, gbeta, gwv, stats);
@@ -639,6 +639,165 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_back
                          to_float(gphi, {G, G}));
 }
 
+// -- BatchNorm and the gate folded: the [B, C] algebra of FusedTail (float64) --
+// s = sc v (sc: the gate, per sample and channel); o = gamma (s - mu) invstd + b.
+// Training: mu and var of s from the per-sample sums of v and v^2 of
+// train_stats (count = B H W values per channel); else the running statistics.
+
+struct Folded {
+  int64_t B, C;
+  const float *sc, *gamma;
+  const double *mu, *invstd;
+};
+
+Folded folded_of(const char* op, const at::Tensor& scale, const at::Tensor& weight,
+                 const at::Tensor& mu, const at::Tensor& invstd) {
+  TORCH_CHECK(scale.dim() == 2, "kcla_mm ", op, ": scale must be [B, C], got ", scale.sizes());
+  Folded f;
+  f.B = scale.size(0), f.C = scale.size(1);
+  f.sc = param<float>(op, scale, f.B * f.C, "scale");
+  f.gamma = param<float>(op, weight, f.C, "weight");
+  f.mu = param<double>(op, mu, f.C, "mu");
+  f.invstd = param<double>(op, invstd, f.C, "invstd");
+  return f;
+}
+
+// Returns (a, shift [B, C] float32: keep relu(o) = relu(a v + shift), keep >= 0;
+// mu, invstd [C] float64). In training it also updates the running statistics
+// as nn.BatchNorm2d does (in double, stored as float): factor is its momentum,
+// or 1 / num_batches_tracked for a cumulative average; the variance unbiased.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tail_coeffs(
+    const at::Tensor& sums, const at::Tensor& scale, const c10::optional<at::Tensor>& keep_opt,
+    const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& running_mean,
+    const at::Tensor& running_var, bool training, double factor, double eps, int64_t count) {
+  const char* op = "tail_coeffs";
+  TORCH_CHECK(scale.dim() == 2, "kcla_mm ", op, ": scale must be [B, C], got ", scale.sizes());
+  const int64_t B = scale.size(0), C = scale.size(1);
+  const double* sp = param<double>(op, sums, B * 2 * C, "sums");
+  const float* scp = param<float>(op, scale, B * C, "scale");
+  const float* kp = opt_param(op, keep_opt, B, "keep");
+  const float* gp = param<float>(op, weight, C, "weight");
+  const float* bp = param<float>(op, bias, C, "bias");
+  param<float>(op, running_mean, C, "running_mean");  // checks
+  param<float>(op, running_var, C, "running_var");
+  float* rm = running_mean.data_ptr<float>();  // updated in place in training
+  float* rv = running_var.data_ptr<float>();
+  TORCH_CHECK(!training || count > 1, "kcla_mm ", op, ": training needs more than one value per "
+              "channel, got ", count);
+  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": eps must be positive, got ", eps);
+  const at::TensorOptions f64 = sums.options().dtype(at::kDouble);
+  at::Tensor mu = at::empty({C}, f64), invstd = at::empty({C}, f64);
+  at::Tensor a = at::empty({B, C}, scale.options()), shift = at::empty({B, C}, scale.options());
+  double *mup = mu.data_ptr<double>(), *isp = invstd.data_ptr<double>();
+  float *ap = a.data_ptr<float>(), *shp = shift.data_ptr<float>();
+  const double n = static_cast<double>(count);
+  for (int64_t c = 0; c < C; ++c) {
+    double m, var;
+    if (training) {  // batch statistics of s = sc v
+      double s1 = 0, s2 = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        const double sc = scp[b * C + c];
+        s1 += sc * sp[(b * 2) * C + c];
+        s2 += sc * sc * sp[(b * 2 + 1) * C + c];
+      }
+      m = s1 / n;
+      var = std::max(s2 / n - m * m, 0.0);
+      rm[c] = static_cast<float>((1 - factor) * rm[c] + factor * m);
+      rv[c] = static_cast<float>((1 - factor) * rv[c] + factor * var * n / (n - 1));
+    } else {
+      m = rm[c];
+      var = rv[c];
+    }
+    mup[c] = m;
+    isp[c] = 1.0 / std::sqrt(var + eps);
+    const double p = gp[c] * isp[c];  // d o / d s
+    for (int64_t b = 0; b < B; ++b) {
+      const double kd = kp ? kp[b] : 1.0;
+      ap[b * C + c] = static_cast<float>(kd * scp[b * C + c] * p);
+      shp[b * C + c] = static_cast<float>(kd * (bp[c] - p * m));
+    }
+  }
+  return std::make_tuple(a, shift, mu, invstd);
+}
+
+// The gradient at v: gv = alpha g + kappa + lam v, g = dL/do (BatchNorm's
+// backward and the gate folded). stats: train_grad_stats's sums of g and g v,
+// in training only (else kappa = lam = 0: the statistics are constants).
+// Returns (alpha, kappa, lam [B, C] float32, qr [2, C] float64: BatchNorm's
+// d L / d s = p g + q + r s, for tail_param_grads).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tail_grad_coeffs(
+    const c10::optional<at::Tensor>& stats_opt, const at::Tensor& scale, const at::Tensor& weight,
+    const at::Tensor& mu, const at::Tensor& invstd, int64_t count) {
+  const char* op = "tail_grad_coeffs";
+  const Folded f = folded_of(op, scale, weight, mu, invstd);
+  const int64_t B = f.B, C = f.C;
+  const bool training = stats_opt.has_value() && stats_opt->defined();
+  const double* st = training ? param<double>(op, *stats_opt, B * 2 * C, "stats") : nullptr;
+  TORCH_CHECK(!training || count > 0, "kcla_mm ", op, ": count must be positive, got ", count);
+  at::Tensor alpha = at::empty({B, C}, scale.options()), kappa = at::empty({B, C}, scale.options()),
+             lam = at::empty({B, C}, scale.options());
+  at::Tensor qr = at::zeros({2, C}, scale.options().dtype(at::kDouble));
+  float *alp = alpha.data_ptr<float>(), *kap = kappa.data_ptr<float>(), *lap = lam.data_ptr<float>();
+  double* qrp = qr.data_ptr<double>();
+  const double n = static_cast<double>(count);
+  for (int64_t c = 0; c < C; ++c) {
+    const double p = f.gamma[c] * f.invstd[c];
+    double q = 0, r = 0;
+    if (training) {  // gs = p (g - gb / n - s_hat gg / n), s_hat = (s - mu) invstd
+      double gb = 0, gsv = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        gb += st[(b * 2) * C + c];
+        gsv += f.sc[b * C + c] * st[(b * 2 + 1) * C + c];
+      }
+      const double gg = f.invstd[c] * (gsv - f.mu[c] * gb);  // sum g s_hat
+      q = p * (f.invstd[c] * f.mu[c] * gg - gb) / n;
+      r = -p * f.invstd[c] * gg / n;
+    }
+    qrp[c] = q;
+    qrp[C + c] = r;
+    for (int64_t b = 0; b < B; ++b) {
+      const double sc = f.sc[b * C + c];
+      alp[b * C + c] = static_cast<float>(sc * p);
+      kap[b * C + c] = static_cast<float>(sc * q);
+      lap[b * C + c] = static_cast<float>(sc * sc * r);
+    }
+  }
+  return std::make_tuple(alpha, kappa, lam, qr);
+}
+
+// Gradients of BatchNorm's affine parameters and of the gate scale, from r
+// (train_backward's sums of g and g v), sums (train_stats's of v and v^2) and
+// qr (tail_grad_coeffs). Returns (gweight, gbias [C], gscale [B, C]), float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tail_param_grads(
+    const at::Tensor& r, const at::Tensor& sums, const at::Tensor& scale, const at::Tensor& weight,
+    const at::Tensor& mu, const at::Tensor& invstd, const at::Tensor& qr) {
+  const char* op = "tail_param_grads";
+  const Folded f = folded_of(op, scale, weight, mu, invstd);
+  const int64_t B = f.B, C = f.C;
+  const double* rp = param<double>(op, r, B * 2 * C, "r");
+  const double* sp = param<double>(op, sums, B * 2 * C, "sums");
+  const double* qrp = param<double>(op, qr, 2 * C, "qr");
+  at::Tensor gw = at::empty({C}, scale.options()), gbias = at::empty({C}, scale.options()),
+             gscale = at::empty({B, C}, scale.options());
+  float *gwp = gw.data_ptr<float>(), *gbp = gbias.data_ptr<float>(),
+        *gsp = gscale.data_ptr<float>();
+  for (int64_t c = 0; c < C; ++c) {
+    const double p = f.gamma[c] * f.invstd[c], q = qrp[c], rr = qrp[C + c];
+    double gb = 0, gsv = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const double sc = f.sc[b * C + c], g0 = rp[(b * 2) * C + c], g1 = rp[(b * 2 + 1) * C + c];
+      gb += g0;
+      gsv += sc * g1;
+      // d L / d scale = sum over pixels of gs v, gs = p g + q + r s
+      gsp[b * C + c] = static_cast<float>(p * g1 + q * sp[(b * 2) * C + c] +
+                                          rr * sc * sp[(b * 2 + 1) * C + c]);
+    }
+    gbp[c] = static_cast<float>(gb);
+    gwp[c] = static_cast<float>(f.invstd[c] * (gsv - f.mu[c] * gb));  // sum g s_hat
+  }
+  return std::make_tuple(gw, gbias, gscale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
@@ -651,6 +810,16 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
       "train_backward(Tensor gy, Tensor? gmean, Tensor x, Tensor? prev, Tensor mean, "
       "Tensor? beta, Tensor wv, Tensor a, Tensor shift, Tensor? keep, Tensor alpha, "
       "Tensor kappa, Tensor lam) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "tail_coeffs(Tensor sums, Tensor scale, Tensor? keep, Tensor weight, Tensor bias, "
+      "Tensor(a!) running_mean, Tensor(b!) running_var, bool training, float factor, float eps, "
+      "int count) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "tail_grad_coeffs(Tensor? stats, Tensor scale, Tensor weight, Tensor mu, Tensor invstd, "
+      "int count) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "tail_param_grads(Tensor r, Tensor sums, Tensor scale, Tensor weight, Tensor mu, "
+      "Tensor invstd, Tensor qr) -> (Tensor, Tensor, Tensor)");
   m.def(
       "head_forward(Tensor p, Tensor? log_z, Tensor wq, Tensor wk, Tensor inv_tau, Tensor phi, "
       "float clamp, float eps) -> (Tensor, Tensor, Tensor)");
@@ -665,6 +834,9 @@ TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
   m.impl("train_apply", &train_apply);
   m.impl("train_grad_stats", &train_grad_stats);
   m.impl("train_backward", &train_backward);
+  m.impl("tail_coeffs", &tail_coeffs);
+  m.impl("tail_grad_coeffs", &tail_grad_coeffs);
+  m.impl("tail_param_grads", &tail_param_grads);
   m.impl("head_forward", &head_forward);
   m.impl("head_backward", &head_backward);
 }
