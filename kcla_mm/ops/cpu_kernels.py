@@ -67,14 +67,20 @@ def _cpu_tag() -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
-def _build(verbose: bool = False) -> None:
-    from torch.utils.cpp_extension import load
+def compile_flags() -> list:
+    """The C++ flags of the build: optimised for this machine's CPU, with OpenMP."""
     flags = ['-O3', '-fopenmp']
     if platform.machine() in ('x86_64', 'AMD64', 'aarch64', 'arm64'):
         flags.append('-march=native' if platform.machine() in ('x86_64', 'AMD64')
                      else '-mcpu=native')
-    load(name=f'kcla_mm_cpu_{_cpu_tag()}', sources=[str(p) for p in _SOURCES], extra_cflags=flags,
-         extra_ldflags=['-fopenmp'], is_python_module=False, verbose=verbose)
+    return flags
+
+
+def _build(verbose: bool = False) -> None:
+    from torch.utils.cpp_extension import load
+    load(name=f'kcla_mm_cpu_{_cpu_tag()}', sources=[str(p) for p in _SOURCES],
+         extra_cflags=compile_flags(), extra_ldflags=['-fopenmp'], is_python_module=False,
+         verbose=verbose)
 
 
 def available(build: bool = True) -> bool:

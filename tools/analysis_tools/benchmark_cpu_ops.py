@@ -1,0 +1,208 @@
+"""Time the fused KCLA CPU kernels op by op at ResNet-50 shapes, against other builds.
+
+For each training kernel (``train_stats``, ``train_apply``, ``train_grad_stats``,
+``train_backward``) and the eval kernel (``eval_step``): the time of one call
+per block, summed over the blocks of a ResNet-50 (3, 4, 6 and 3 blocks of
+256, 512, 1024 and 2048 channels at 1/4 .. 1/32 of the input size), median
+over interleaved rounds. ``--against DIR`` adds builds of other kernel
+sources (a ``kcla_mm/ops/csrc`` folder, e.g. of a ``git worktree`` at another
+commit): each is compiled under its own op namespace, checked to compute
+what the installed build computes, and timed in the same rounds, so that two
+versions of a kernel compare on one machine at one time::
+
+    git worktree add /tmp/before HEAD~1
+    .venv/bin/python tools/analysis_tools/benchmark_cpu_ops.py \\
+        --against /tmp/before/kcla_mm/ops/csrc
+
+Restarts itself with ``THP_MEM_ALLOC_ENABLE=1`` unless ``--no-huge-pages``
+(see :func:`kcla_mm.benchmark.restart_with_huge_pages`).
+"""
+import argparse
+import hashlib
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from kcla_mm.benchmark import allocator_description, restart_with_huge_pages
+from kcla_mm.ops import cpu_kernels
+
+#: ResNet-50's stages: (channels, stride to the input, blocks)
+STAGES = ((256, 4, 3), (512, 8, 4), (1024, 16, 6), (2048, 32, 3))
+OPS = ('train_stats', 'train_apply', 'train_grad_stats', 'train_backward', 'eval_step')
+_LIBRARY = re.compile(r'TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(kcla_mm\b')
+
+
+def renamespaced(source: str, namespace: str) -> str:
+    """Kernel source text with its ops registered under ``torch.ops.<namespace>``."""
+    return _LIBRARY.sub(lambda m: f'TORCH_LIBRARY{m.group(1) or ""}({namespace}', source)
+
+
+def build_variant(csrc: Path, workdir: Path, index: int) -> str:
+    """Compile the kernels of ``csrc`` under a namespace of their own; returns it."""
+    sources = sorted(csrc.glob('*.cpp'))
+    if not sources:
+        raise SystemExit(f'--against {csrc}: no .cpp files there (expected a kcla_mm/ops/csrc)')
+    digest = hashlib.sha1(b''.join(p.read_bytes() for p in sorted(csrc.iterdir())
+                                   if p.is_file())).hexdigest()[:10]
+    namespace = f'kcla_ab{index}_{digest}'
+    dst = workdir / namespace
+    dst.mkdir(parents=True)
+    for p in csrc.iterdir():
+        if p.is_file():
+            text = p.read_text()
+            (dst / p.name).write_text(renamespaced(text, namespace) if p.suffix == '.cpp'
+                                      else text)
+    from torch.utils.cpp_extension import load
+    load(name=f'{namespace}_ext', sources=[str(dst / p.name) for p in sources],
+         extra_cflags=cpu_kernels.compile_flags(), extra_ldflags=['-fopenmp'],
+         is_python_module=False)
+    return namespace
+
+
+def stage_inputs(channels: int, size: int, batch: int, seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, channels, size, size)
+    maps = {k: torch.rand(shape, generator=g).contiguous(memory_format=torch.channels_last)
+            for k in ('x', 'prev', 'gy', 'gmean')}
+    vec = {k: torch.rand(batch, channels, generator=g) for k in ('beta', 'a', 'alpha', 'kappa',
+                                                                 'lam')}
+    vec['shift'] = torch.rand(batch, channels, generator=g) - 0.5
+    heads = channels // 64
+    extra = dict(wv=torch.randn(channels, 1, 3, 3, generator=g) / 3,
+                 wq=torch.randn(1, 1, 5, generator=g), wk=torch.randn(1, 1, 5, generator=g),
+                 phi=torch.randn(heads, heads, generator=g) / heads,
+                 inv_tau=torch.linspace(0.7, 1 / 0.7, heads, dtype=torch.float64),
+                 log_z=torch.rand(batch, heads, generator=g), norm_scale=torch.rand(channels),
+                 norm_shift=torch.rand(channels) - 0.5)
+    d = {**maps, **vec, **extra}
+    d['mean'] = torch.ops.kcla_mm.train_stats(d['x'], d['prev'], d['beta'], d['wv'])[0]
+    return d
+
+
+def calls(namespace: str) -> Dict[str, Callable[[Dict[str, torch.Tensor]], object]]:
+    o = getattr(torch.ops, namespace)
+    return {
+        'train_stats': lambda d: o.train_stats(d['x'], d['prev'], d['beta'], d['wv']),
+        'train_apply': lambda d: o.train_apply(d['x'], d['mean'], d['wv'], d['a'], d['shift']),
+        'train_grad_stats': lambda d: o.train_grad_stats(d['gy'], d['mean'], d['wv'], d['a'],
+                                                         d['shift'], None),
+        'train_backward': lambda d: o.train_backward(
+            d['gy'], d['gmean'], d['x'], d['prev'], d['mean'], d['beta'], d['wv'], d['a'],
+            d['shift'], None, d['alpha'], d['kappa'], d['lam']),
+        # not in place, so that every call sees the same inputs
+        'eval_step': lambda d: o.eval_step(
+            d['x'], d['prev'], d['log_z'], d['wq'], d['wk'], d['inv_tau'], d['phi'], d['wv'],
+            d['norm_scale'], d['norm_shift'], None, None, None, 1, 10.0, 1e-3, False, False),
+    }
+
+
+def _tensors(out) -> List[torch.Tensor]:
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out, )) if t.numel()]
+
+
+def check_same(namespace: str, data: Sequence[Tuple[Dict[str, torch.Tensor], int]],
+               ops: Sequence[str]) -> None:
+    """Raise unless ``namespace``'s ops compute what the installed build computes."""
+    ref, got = calls('kcla_mm'), calls(namespace)
+    for op in ops:
+        for d, _ in data:
+            for a, b in zip(_tensors(ref[op](d)), _tensors(got[op](d))):
+                scale = float(a.double().abs().max()) + 1e-12
+                err = float((a.double() - b.double()).abs().max()) / scale
+                if err > 1e-5:
+                    raise SystemExit(f'{namespace}: {op} differs from the installed build '
+                                     f'(max relative error {err:.2e})')
+
+
+def measure(namespaces: Sequence[str], data, ops: Sequence[str], rounds: int,
+            warmup: int) -> Dict[Tuple[str, str], List[float]]:
+    """ms per ResNet-50 step of each op, per round: ``{(namespace, op): [ms, ...]}``."""
+    times = {(ns, op): [] for ns in namespaces for op in ops}
+    for r in range(warmup + rounds):
+        order = list(namespaces[r % len(namespaces):]) + list(namespaces[:r % len(namespaces)])
+        for ns in order:
+            fns = calls(ns)
+            for op in ops:
+                total = 0.0
+                for d, blocks in data:
+                    start = time.perf_counter()
+                    fns[op](d)
+                    total += (time.perf_counter() - start) * blocks
+                if r >= warmup:
+                    times[(ns, op)].append(total * 1e3)
+    return times
+
+
+def table(times, namespaces: Sequence[str], labels: Sequence[str], ops: Sequence[str]) -> str:
+    lines = ['| op | ' + ' | '.join(labels) + ' |',
+             '| --- |' + ' ---: |' * len(labels)]
+    for op in ops + ('training total', ):
+        row = []
+        for ns in namespaces:
+            if op == 'training total':
+                ms = sum(statistics.median(times[(ns, o)]) for o in ops if o.startswith('train'))
+            else:
+                ms = statistics.median(times[(ns, op)])
+            row.append(f'{ms:.2f}')
+        lines.append(f'| {op} | ' + ' | '.join(row) + ' |')
+    return '\n'.join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--against', nargs='*', default=[], type=Path, metavar='CSRC',
+                        help='other kernel source folders to build and time side by side')
+    parser.add_argument('--batch', type=int, default=4)
+    parser.add_argument('--size', type=int, default=224, help='input size of the ResNet-50')
+    parser.add_argument('--threads', type=int, default=2)
+    parser.add_argument('--rounds', type=int, default=9)
+    parser.add_argument('--warmup', type=int, default=1)
+    parser.add_argument('--ops', nargs='+', default=list(OPS), choices=OPS)
+    parser.add_argument('--no-huge-pages', action='store_true',
+                        help='keep torch\'s default allocator')
+    args = parser.parse_args(argv)
+    for name in ('batch', 'size', 'threads', 'rounds'):
+        if getattr(args, name) < 1:
+            parser.error(f'--{name} must be >= 1, got {getattr(args, name)}')
+    if args.size < 32:
+        parser.error(f'--size must be >= 32 (stage 4 is 1/32 of it), got {args.size}')
+    return args
+
+
+def main(argv=None) -> Dict[Tuple[str, str], List[float]]:
+    args = parse_args(argv)
+    if argv is None and not args.no_huge_pages:
+        restart_with_huge_pages()
+    torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        raise SystemExit(f'the fused CPU kernels are not available: {cpu_kernels.build_error()}')
+    data = [(stage_inputs(c, args.size // s, args.batch, i), blocks)
+            for i, (c, s, blocks) in enumerate(STAGES)]
+    namespaces, labels = ['kcla_mm'], ['installed build']
+    workdir = Path(tempfile.mkdtemp(prefix='kcla_ops_ab_'))
+    try:
+        for i, csrc in enumerate(args.against):
+            ns = build_variant(csrc, workdir, i)
+            check_same(ns, data, args.ops)
+            namespaces.append(ns)
+            labels.append(str(csrc))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    times = measure(namespaces, data, args.ops, args.rounds, args.warmup)
+    print(f'fused KCLA CPU kernels, ms per ResNet-50 step (one call per block, summed over the '
+          f'16 blocks), batch {args.batch} at {args.size}x{args.size}, {args.threads} threads, '
+          f'torch {torch.__version__}, medians of {args.rounds} interleaved rounds after '
+          f'{args.warmup} warm-up')
+    print(allocator_description())
+    print(table(times, namespaces, labels, tuple(args.ops)))
+    return times
+
+
+if __name__ == '__main__':
+    main()
