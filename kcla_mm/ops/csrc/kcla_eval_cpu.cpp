@@ -383,8 +383,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
         if (h + 1 < h1) state_row(h + 1);
         const float* down = st.stage(h + 1, mean_row(h + 1));
         const float* rows[3] = {up, mid, down};
-        conv_row(rows, xb + h * row, ob + h * row, wtp, a.data() + b * C, nbp, W, C,
-                 st.stride());
+        conv_row<true>(rows, xb + h * row, ob + h * row, wtp, a.data() + b * C, nbp, W, C,
+                       st.stride());
         up = mid;
         mid = down;
       }
