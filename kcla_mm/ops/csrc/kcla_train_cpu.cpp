@@ -69,6 +69,17 @@ struct Bands {
   }
 };
 
+// float row sums s1, s2 [C] into the double partials acc [2 C]; zeroes them
+inline void flush_sums(std::vector<float>& s1, std::vector<float>& s2, double* acc) {
+  const size_t C = s1.size();
+  for (size_t c = 0; c < C; ++c) {
+    acc[c] += s1[c];
+    acc[C + c] += s2[c];
+  }
+  std::fill(s1.begin(), s1.end(), 0.f);
+  std::fill(s2.begin(), s2.end(), 0.f);
+}
+
 // the gradient at the ReLU's input: g = dL/do = gy keep [a v + shift > 0]
 // (the same expression as conv_row's, so the mask is the forward's bit for bit)
 template <class L>
@@ -150,14 +161,7 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
         L::store(s1.data() + c0, a1);
         L::store(s2.data() + c0, a2);
       });
-      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
-        for (int64_t c = 0; c < C; ++c) {
-          acc[c] += s1[c];
-          acc[C + c] += s2[c];
-        }
-        std::fill(s1.begin(), s1.end(), 0.f);
-        std::fill(s2.begin(), s2.end(), 0.f);
-      }
+      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(s1, s2, acc);  // every 8 rows
     }
   });
   return std::make_tuple(mean, bands.per_sample_sums(partial, m.B, 2 * C).view({m.B, 2, C}));
@@ -252,14 +256,7 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
         L::store(r1.data() + c0, a1);
         L::store(r2.data() + c0, a2);
       });
-      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
-        for (int64_t c = 0; c < C; ++c) {
-          acc[c] += r1[c];
-          acc[C + c] += r2[c];
-        }
-        std::fill(r1.begin(), r1.end(), 0.f);
-        std::fill(r2.begin(), r2.end(), 0.f);
-      }
+      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(r1, r2, acc);  // every 8 rows
     }
   });
   return bands.per_sample_sums(partial, m.B, 2 * C).view({m.B, 2, C});
