@@ -202,6 +202,18 @@ def test_kernels_reject_bad_arguments():
                              torch.rand(2, 32), None)
 
 
+@pytest.mark.parametrize('c', [3, 20, 256])  # lanes: one-channel only, vectors + rest, vectors
+def test_state_update_is_torch_lerp_bit_for_bit(c):
+    # the vectorised lerp takes torch.lerp's branch per weight (below 0.5 from
+    # prev, else from x) and rounds like it, in float32
+    g = torch.Generator().manual_seed(c)
+    x, prev = (cl(torch.randn(2, c, 3, 5, generator=g)) for _ in range(2))
+    beta = torch.rand(2, c, generator=g)
+    beta[0, :2] = torch.tensor([0.5, 0.4999999])  # at the switch between the branches
+    mean, _ = torch.ops.kcla_mm.train_stats(x, prev, beta, torch.randn(c, 1, 3, 3, generator=g))
+    assert torch.equal(mean, torch.lerp(prev, x, beta[:, :, None, None]))
+
+
 @pytest.mark.parametrize('c', [24, 128])  # 128: rows staged with a padded pixel stride
 def test_kernels_equal_their_definitions(c):
     # each op against its formula, written out in torch (float64)
