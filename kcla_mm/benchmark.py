@@ -50,36 +50,66 @@ from .models.backbones.mmdet_kcla_resnet import KCLAResNet
 #: first allocation, so it must be in the environment before torch starts.
 THP_ENV = 'THP_MEM_ALLOC_ENABLE'
 
+#: The CPU allocator settings the benchmarks run every candidate under (glibc
+#: reads its variables at start-up): torch's huge pages, and glibc's malloc
+#: told to keep freed memory (never ``mmap`` a block of its own, never return
+#: the heap's top to the system). Without the last two, glibc gives large
+#: freed blocks back to the system and the next step faults them in again,
+#: one page at a time: on the AMD VM a ResNet-50 training step at batch 4
+#: took 56k (plain) and 95k (KCLA) page faults with the default allocator,
+#: 20k and 68k with huge pages alone, none with these settings (KCLA's
+#: kernels allocate their output maps afresh at every call, as aten ops do).
+#: The process then keeps the memory of its largest step, as torch's CUDA
+#: caching allocator does. Where a glibc ignores the variables, the fault
+#: counts of the benchmark's table show it.
+TUNED_ALLOCATOR_ENV: Dict[str, str] = {
+    THP_ENV: '1',
+    'MALLOC_MMAP_THRESHOLD_': str(2**32),  # bytes: blocks below this come from the heap
+    'MALLOC_TRIM_THRESHOLD_': str(2**34),  # bytes of free heap top kept before trimming
+}
 
-def huge_pages_on() -> bool:
-    """Whether torch's CPU allocator in this process uses huge pages (:data:`THP_ENV`)."""
-    return os.environ.get(THP_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on')
+
+def tuned_allocator_on() -> bool:
+    """Whether every variable of :data:`TUNED_ALLOCATOR_ENV` is set (to any value)."""
+    return all(os.environ.get(k, '').strip() for k in TUNED_ALLOCATOR_ENV)
 
 
-def restart_with_huge_pages(argv: Optional[Sequence[str]] = None) -> None:
-    """Re-execute this script with :data:`THP_ENV` set, unless it is already on (Linux only).
+def restart_with_tuned_allocator(argv: Optional[Sequence[str]] = None) -> None:
+    """Re-execute this script under :data:`TUNED_ALLOCATOR_ENV` unless it is set (Linux only).
 
-    Every candidate then runs on the same allocator. Why: on the 2-core VMs
-    of this project a first touch of a 4 KB page costs about 2 us, and a
-    ResNet-50 training step at batch 4 touches 40-60 thousand fresh pages (the
-    C allocator returns large freed blocks to the system), 10-15% of the
-    step; with 2 MB pages that cost nearly vanishes, for every candidate.
-    Does not return when it restarts.
+    Variables the caller has set keep their values. Every candidate of a
+    benchmark then runs on the same allocator. Does not return when it
+    restarts.
     """
-    if huge_pages_on() or not sys.platform.startswith('linux'):
+    if tuned_allocator_on() or not sys.platform.startswith('linux'):
         return
     argv = list(sys.argv if argv is None else argv)
+    env = dict(TUNED_ALLOCATOR_ENV)
+    env.update({k: v for k, v in os.environ.items() if k not in env or v.strip()})
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable] + argv, dict(os.environ, **{THP_ENV: '1'}))
+    os.execve(sys.executable, [sys.executable] + argv, env)
 
 
 def allocator_description() -> str:
-    """One line for a benchmark header: which CPU allocator setting the run used."""
-    if huge_pages_on():
-        return (f'CPU allocator: {THP_ENV}=1 for every candidate (torch allocates blocks of '
-                '2 MB and more on transparent huge pages)')
-    return f'CPU allocator: torch\'s default ({THP_ENV} unset: 4 KB pages)'
+    """One line for a benchmark header: the CPU allocator settings of the run."""
+    settings = ' '.join(f'{k}={os.environ[k]}' for k in TUNED_ALLOCATOR_ENV
+                        if os.environ.get(k, '').strip())
+    if tuned_allocator_on():
+        return (f'CPU allocator: {settings} for every candidate (torch on transparent huge '
+                'pages; glibc keeps freed memory instead of returning it to the system)')
+    settings = settings or "glibc's and torch's defaults"
+    return (f'CPU allocator: {settings} (not the tuned settings of '
+            'kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
+
+
+def minor_faults() -> Optional[int]:
+    """Minor page faults of this process so far (``None`` where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 #: candidate methods, baseline first; ``none`` is the plain ResNet.
@@ -320,6 +350,8 @@ class Result:
     memory: Optional[int]
     forward: List[float] = field(default_factory=list)
     train: List[float] = field(default_factory=list)
+    #: minor page faults per training step, one entry per repeat (CPU, where measurable)
+    faults: List[float] = field(default_factory=list)
 
     @property
     def forward_median(self) -> float:
@@ -328,6 +360,10 @@ class Result:
     @property
     def train_median(self) -> float:
         return statistics.median(self.train) if self.train else math.nan
+
+    @property
+    def faults_median(self) -> float:
+        return statistics.median(self.faults) if self.faults else math.nan
 
 
 @dataclass
@@ -408,12 +444,17 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
             if r == 0 and memory_in_warmup and not c.compiled:
                 results[c].memory = peak_train_memory(model, x)  # the warm-up training step
                 continue
+            faults = minor_faults() if device.type == 'cpu' else None
             step = min(timed(lambda: train_step(model, x), device) for _ in range(inner))
+            if faults is not None:
+                faults = (minor_faults() - faults) / inner
             for p in model.parameters():
                 p.grad = None
             if r >= warmup:
                 results[c].forward.append(fwd)
                 results[c].train.append(step)
+                if faults is not None:
+                    results[c].faults.append(faults)
         if progress:
             progress(f'round {r + 1}/{warmup + repeats}' + (' (warm-up)' if r < warmup else ''))
     return results
@@ -437,7 +478,8 @@ def load_results(data: Dict[str, Any]) -> Dict[Candidate, Result]:
     for e in data['results']:
         c = Candidate(e['family'], e['depth'], e['method'], e['compiled'])
         results[c] = Result(c, e['blocks'], e['params'], e['flops'], e['peak_memory_bytes'],
-                            list(e['forward_s']), list(e['train_step_s']))
+                            list(e['forward_s']), list(e['train_step_s']),
+                            list(e.get('page_faults_per_train_step', [])))
     return results
 
 
@@ -445,12 +487,13 @@ def markdown_table(results: Dict[Candidate, Result]) -> str:
     """One row per candidate; every figure with its ratio to the plain ResNet of its depth.
 
     ``per block`` columns: (figure - plain figure) / number of blocks, in ms
-    or MB: flat in depth for a method of linear cost.
+    or MB: flat in depth for a method of linear cost. The last column: the
+    median minor page faults of a training step (CPU; ``n/a`` elsewhere).
     """
     header = ('| backbone | method | blocks | params (M) | GFLOPs | forward (ms) | '
               'train step (ms) | peak train memory (MB) | forward per block (ms) | '
-              'train step per block (ms) | memory per block (MB) |')
-    lines = [header, '|' + ' --- |' * 3 + ' ---: |' * 8]
+              'train step per block (ms) | memory per block (MB) | page faults per train step |')
+    lines = [header, '|' + ' --- |' * 3 + ' ---: |' * 9]
     for c, r in results.items():
         b = results.get(c.baseline)
 
@@ -470,7 +513,8 @@ def markdown_table(results: Dict[Candidate, Result]) -> str:
                  _cell(*pair('forward_median', 1e3), '.1f'),
                  _cell(*pair('train_median', 1e3), '.1f'), _cell(*pair('memory', 2**-20), '.1f'),
                  per_block('forward_median'), per_block('train_median'),
-                 per_block('memory', 2**-20)]
+                 per_block('memory', 2**-20),
+                 'n/a' if math.isnan(r.faults_median) else f'{r.faults_median:.0f}']
         lines.append(f'| {family}-{c.depth}{" +compile" if c.compiled else ""} | {c.method} | '
                      f'{r.blocks} | ' + ' | '.join(cells) + ' |')
     return '\n'.join(lines)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import kcla_mm.benchmark as bench
-from kcla_mm.benchmark import (THP_ENV, Candidate, CifarKCLAResNet, LiveTensorBytes, Setting,
-                               build_backbone, markdown_table, num_blocks, peak_train_memory, run)
+from kcla_mm.benchmark import (THP_ENV, TUNED_ALLOCATOR_ENV, Candidate, CifarKCLAResNet,
+                               LiveTensorBytes, Setting, build_backbone, markdown_table, num_blocks,
+                               peak_train_memory, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'analysis_tools' / 'benchmark_layer_attention.py'
@@ -34,14 +35,15 @@ def cells(line):
 
 @pytest.mark.slow  # a subprocess: imports mmdet (10-20 s on a shared 2-core machine)
 def test_quick_run_writes_table_and_plot(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != THP_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in TUNED_ALLOCATOR_ENV}
     proc = subprocess.run([sys.executable, str(TOOL), '--quick', '--out-dir', str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     md = (tmp_path / 'benchmark.md').read_text()
     assert 'CPU threads: 1' in md  # the number of threads is stated
-    # the tool restarted itself on huge pages, and says so
-    assert f'CPU allocator: {THP_ENV}=1 for every candidate' in md
+    # the tool restarted itself with the tuned allocator, and says so
+    settings = ' '.join(f'{k}={v}' for k, v in TUNED_ALLOCATOR_ENV.items())
+    assert f'CPU allocator: {settings} for every candidate' in md
     rows = [cells(line) for line in md.splitlines() if line.startswith('| ') and 'x)' in line]
     names = [(r[0], r[1]) for r in rows]
     expected = [(f'{fam}-{d}', m) for fam, d in [('ResNet', 18), ('CIFAR-ResNet', 8),
@@ -51,9 +53,10 @@ def test_quick_run_writes_table_and_plot(tmp_path):
         ratios = [float(x) for x in re.findall(r'\(([\d.]+)x\)', ' | '.join(r[3:8]))]
         assert len(ratios) == 5  # params, FLOPs, forward, train step, memory
         if r[1] == 'none':
-            assert ratios == [1.0] * 5 and r[8:] == ['+0.000'] * 3  # time, time, memory
+            assert ratios == [1.0] * 5 and r[8:11] == ['+0.000'] * 3  # time, time, memory
         else:  # layer attention adds parameters and FLOPs
             assert ratios[0] > 1 and ratios[1] > 1
+        assert len(r) == 12 and r[11].isdigit()  # page faults per training step, counted
     png = (tmp_path / 'benchmark.png').read_bytes()
     assert png[:4] == b'\x89PNG' and len(png) > 10000
     assert (tmp_path / 'benchmark.json').stat().st_size > 0
@@ -91,25 +94,30 @@ def _record_exec(monkeypatch):
     return calls
 
 
-def test_restart_with_huge_pages_reexecutes_once_with_the_switch_on(monkeypatch):
+def test_restart_with_tuned_allocator_reexecutes_once_with_the_settings(monkeypatch):
     calls = _record_exec(monkeypatch)
-    monkeypatch.delenv(THP_ENV, raising=False)
+    for k in TUNED_ALLOCATOR_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv('MALLOC_TRIM_THRESHOLD_', '12345')  # the caller's own value stays
     monkeypatch.setattr(bench.sys, 'platform', 'linux')
+    assert 'not the tuned settings' in bench.allocator_description()
     with pytest.raises(_Exec):
-        bench.restart_with_huge_pages(['tool.py', '--depths', '50'])
+        bench.restart_with_tuned_allocator(['tool.py', '--depths', '50'])
     (path, argv, env), = calls
     assert path == sys.executable and argv == [sys.executable, 'tool.py', '--depths', '50']
     assert env[THP_ENV] == '1' and env['PATH'] == os.environ['PATH']  # the rest is kept
-    assert 'THP_MEM_ALLOC_ENABLE unset' in bench.allocator_description()
-    # the restarted process finds the switch on and goes on
-    monkeypatch.setenv(THP_ENV, '1')
-    bench.restart_with_huge_pages(['tool.py'])
-    assert len(calls) == 1 and bench.huge_pages_on()
-    assert f'{THP_ENV}=1 for every candidate' in bench.allocator_description()
+    assert env['MALLOC_MMAP_THRESHOLD_'] == str(2**32) and env['MALLOC_TRIM_THRESHOLD_'] == '12345'
+    # the restarted process finds the settings and goes on
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    bench.restart_with_tuned_allocator(['tool.py'])
+    assert len(calls) == 1 and bench.tuned_allocator_on()
+    assert (f'{THP_ENV}=1 MALLOC_MMAP_THRESHOLD_={2**32} MALLOC_TRIM_THRESHOLD_=12345 for every '
+            'candidate') in bench.allocator_description()
     # nowhere but on Linux
     monkeypatch.delenv(THP_ENV)
     monkeypatch.setattr(bench.sys, 'platform', 'darwin')
-    bench.restart_with_huge_pages(['tool.py'])
+    bench.restart_with_tuned_allocator(['tool.py'])
     assert len(calls) == 1
 
 
@@ -124,8 +132,8 @@ def test_benchmark_tool_restarts_from_the_command_line_only(monkeypatch):
     with pytest.raises(_Exec):
         tool.main()
     assert calls[0][1][1:] == [str(TOOL), '--quick', '--out-dir', 'never']
-    assert tool.parse_args(['--no-huge-pages']).no_huge_pages
-    assert not tool.parse_args([]).no_huge_pages
+    assert tool.parse_args(['--default-allocator']).default_allocator
+    assert not tool.parse_args([]).default_allocator
 
 
 def test_cifar_depth_must_be_6n_plus_2():
@@ -196,6 +204,22 @@ def test_run_keeps_the_fastest_of_the_inner_runs(monkeypatch):
     with pytest.raises(ValueError, match='inner=0'):
         run(cands, models, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=1,
             warmup=0, count_flops_fn=lambda m, x: None, inner=0)
+
+
+def test_run_counts_page_faults_per_training_step(monkeypatch):
+    # the counter's difference around the inner training steps, divided by them
+    import kcla_mm.benchmark as bmod
+    cands = [Candidate('cifar', 8, 'none')]
+    models = {c: build_backbone(c.family, c.depth, c.method, tiny=True) for c in cands}
+    counter = iter([100, 160, 1000, 1090])  # two rounds: 60 and 90 faults over 3 steps
+    monkeypatch.setattr(bmod, 'minor_faults', lambda: next(counter))
+    results = run(cands, models, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=2,
+                  warmup=0, count_flops_fn=lambda m, x: None, inner=3)
+    r = results[cands[0]]
+    assert r.faults == [20.0, 30.0] and r.faults_median == 25.0
+    assert markdown_table(results).splitlines()[2].endswith('| 25 |')
+    monkeypatch.undo()
+    assert isinstance(bmod.minor_faults(), int)  # the real counter, on this (POSIX) machine
 
 
 def _ops_tool():

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kcla_mm.benchmark import allocator_description, restart_with_huge_pages
+from kcla_mm.benchmark import allocator_description, restart_with_tuned_allocator
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
 from kcla_mm.ops import cpu_kernels
 
@@ -34,12 +34,12 @@ def main() -> None:
     parser.add_argument('--warmup', type=int, default=2)
     parser.add_argument('--train', action='store_true',
                         help='time training steps instead of eval forwards')
-    parser.add_argument('--no-huge-pages', action='store_true',
-                        help='keep torch\'s default allocator (by default the tool re-executes '
-                        'itself with THP_MEM_ALLOC_ENABLE=1, for every candidate)')
+    parser.add_argument('--default-allocator', action='store_true',
+                        help='keep the allocators\' default settings (by default the tool '
+                        're-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
     args = parser.parse_args()
-    if not args.no_huge_pages:
-        restart_with_huge_pages()
+    if not args.default_allocator:
+        restart_with_tuned_allocator()
     for name in ('batch', 'size', 'threads', 'repeats'):
         if getattr(args, name) < 1:
             parser.error(f'--{name} must be >= 1, got {getattr(args, name)}')

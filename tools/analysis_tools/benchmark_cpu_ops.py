@@ -14,8 +14,8 @@ versions of a kernel compare on one machine at one time::
     .venv/bin/python tools/analysis_tools/benchmark_cpu_ops.py \\
         --against /tmp/before/kcla_mm/ops/csrc
 
-Restarts itself with ``THP_MEM_ALLOC_ENABLE=1`` unless ``--no-huge-pages``
-(see :func:`kcla_mm.benchmark.restart_with_huge_pages`).
+Restarts itself with the tuned CPU allocator settings unless
+``--default-allocator`` (see :data:`kcla_mm.benchmark.TUNED_ALLOCATOR_ENV`).
 """
 import argparse
 import hashlib
@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from kcla_mm.benchmark import allocator_description, restart_with_huge_pages
+from kcla_mm.benchmark import allocator_description, restart_with_tuned_allocator
 from kcla_mm.ops import cpu_kernels
 
 #: ResNet-50's stages: (channels, stride to the input, blocks)
@@ -164,8 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--rounds', type=int, default=9)
     parser.add_argument('--warmup', type=int, default=1)
     parser.add_argument('--ops', nargs='+', default=list(OPS), choices=OPS)
-    parser.add_argument('--no-huge-pages', action='store_true',
-                        help='keep torch\'s default allocator')
+    parser.add_argument('--default-allocator', action='store_true',
+                        help='keep the allocators\' default settings (by default the tool '
+                        're-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
     args = parser.parse_args(argv)
     for name in ('batch', 'size', 'threads', 'rounds'):
         if getattr(args, name) < 1:
@@ -177,8 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> Dict[Tuple[str, str], List[float]]:
     args = parse_args(argv)
-    if argv is None and not args.no_huge_pages:
-        restart_with_huge_pages()
+    if argv is None and not args.default_allocator:
+        restart_with_tuned_allocator()
     torch.set_num_threads(args.threads)
     if not cpu_kernels.available():
         raise SystemExit(f'the fused CPU kernels are not available: {cpu_kernels.build_error()}')

@@ -28,8 +28,10 @@ seen). Memory of compiled candidates on CPU: n/a (compiled kernels allocate
 outside the dispatcher). FLOPs: mmengine's FlopAnalyzer (one multiply-add =
 1), plus elementwise arithmetic unless --no-elementwise. The number of CPU
 threads is set with --threads and stated in the output. On CPU the tool
-re-executes itself with THP_MEM_ALLOC_ENABLE=1 (torch's huge-page switch, for
-every candidate alike; --no-huge-pages keeps the default) and says so.
+re-executes itself with the tuned allocator settings of
+kcla_mm.benchmark.TUNED_ALLOCATOR_ENV (torch's huge pages, glibc keeping freed
+memory; for every candidate alike; --default-allocator keeps the defaults),
+says so, and counts the page faults of every training step.
 
 Outputs in --out-dir: benchmark.md (settings + table), benchmark.json (all
 measurements, every repeat), benchmark.png (extra cost over the plain ResNet
@@ -54,7 +56,7 @@ import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
                                allocator_description, build_backbone, count_flops, load_results,
-                               markdown_table, plot, restart_with_huge_pages, run)
+                               markdown_table, plot, restart_with_tuned_allocator, run)
 from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
@@ -103,10 +105,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     fmt.add_argument('--contiguous', action='store_true',
                      help='run every candidate in NCHW (default: each backbone\'s own choice, '
                      'channels-last with layer attention, NCHW without)')
-    parser.add_argument('--no-huge-pages', action='store_true',
-                        help='on CPU, keep torch\'s default allocator; by default the tool '
-                        're-executes itself with THP_MEM_ALLOC_ENABLE=1, so every candidate '
-                        'allocates on huge pages (see kcla_mm.benchmark.restart_with_huge_pages)')
+    parser.add_argument('--default-allocator', action='store_true',
+                        help='on CPU, keep the allocators\' default settings; by default the '
+                        'tool re-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV '
+                        '(huge pages, freed memory kept), the same for every candidate')
     parser.add_argument('--compile', action='store_true',
                         help='also measure every candidate through torch.compile')
     parser.add_argument('--no-elementwise', action='store_true',
@@ -192,8 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     device = torch.device(args.device)
     if device.type == 'cuda' and not torch.cuda.is_available():
         raise SystemExit('--device cuda: CUDA is not available')
-    if argv is None and device.type == 'cpu' and not args.no_huge_pages:
-        restart_with_huge_pages()  # the command line: same arguments, new process
+    if argv is None and device.type == 'cpu' and not args.default_allocator:
+        restart_with_tuned_allocator()  # the command line: same arguments, new process
     channels_last = True if args.channels_last else (False if args.contiguous else None)
     settings = {'imagenet': Setting(args.batch, args.size),
                 'cifar': Setting(args.cifar_batch, args.cifar_size)}
@@ -261,7 +263,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
                        results=[dict(name=c.name, family=c.family, depth=c.depth,
                                      method=c.method, compiled=c.compiled, blocks=r.blocks,
                                      params=r.params, flops=r.flops, peak_memory_bytes=r.memory,
-                                     forward_s=r.forward, train_step_s=r.train)
+                                     forward_s=r.forward, train_step_s=r.train,
+                                     page_faults_per_train_step=r.faults)
                                 for c, r in results.items()]), f, indent=1)
     print(f'wrote benchmark.md, benchmark.json and benchmark.png to {args.out_dir}')
     return results
