@@ -95,9 +95,11 @@ def allocator_description() -> str:
     """One line for a benchmark header: the CPU allocator settings of the run."""
     settings = ' '.join(f'{k}={os.environ[k]}' for k in TUNED_ALLOCATOR_ENV
                         if os.environ.get(k, '').strip())
-    if tuned_allocator_on():
+    if all(os.environ.get(k, '').strip() == v for k, v in TUNED_ALLOCATOR_ENV.items()):
         return (f'CPU allocator: {settings} for every candidate (torch on transparent huge '
                 'pages; glibc keeps freed memory instead of returning it to the system)')
+    if tuned_allocator_on():  # the caller's own values
+        return f'CPU allocator: {settings} for every candidate (as set in the environment)'
     settings = settings or "glibc's and torch's defaults"
     return (f'CPU allocator: {settings} (not the tuned settings of '
             'kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')

@@ -112,8 +112,11 @@ def test_restart_with_tuned_allocator_reexecutes_once_with_the_settings(monkeypa
         monkeypatch.setenv(k, v)
     bench.restart_with_tuned_allocator(['tool.py'])
     assert len(calls) == 1 and bench.tuned_allocator_on()
-    assert (f'{THP_ENV}=1 MALLOC_MMAP_THRESHOLD_={2**32} MALLOC_TRIM_THRESHOLD_=12345 for every '
-            'candidate') in bench.allocator_description()
+    assert bench.allocator_description() == (
+        f'CPU allocator: {THP_ENV}=1 MALLOC_MMAP_THRESHOLD_={2**32} MALLOC_TRIM_THRESHOLD_=12345 '
+        'for every candidate (as set in the environment)')  # not claimed to be the tuned ones
+    monkeypatch.setenv('MALLOC_TRIM_THRESHOLD_', str(2**34))
+    assert 'glibc keeps freed memory' in bench.allocator_description()
     # nowhere but on Linux
     monkeypatch.delenv(THP_ENV)
     monkeypatch.setattr(bench.sys, 'platform', 'darwin')
