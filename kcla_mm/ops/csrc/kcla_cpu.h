@@ -31,15 +31,16 @@ constexpr int64_t VL = 8;  // AVX2; on narrower SIMD the compiler splits it
 #endif
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
+// the same vector at float alignment: unaligned loads and stores through it.
+// (std::memcpy would do too, but its stores may alias anything, so the compiler
+// reloads every pointer after each; this measured 5-10% slower per kernel.)
+typedef float vf_unaligned __attribute__((vector_size(VL * sizeof(float)), aligned(alignof(float))));
+
 struct VecLanes {  // a full vector of VL channels
   using V = vf;
   static constexpr int64_t n = VL;
-  static V load(const float* p) {
-    V v;
-    std::memcpy(&v, p, sizeof(V));
-    return v;
-  }
-  static void store(float* p, V v) { std::memcpy(p, &v, sizeof(V)); }
+  static V load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+  static void store(float* p, V v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
   static V splat(float s) { return V{} + s; }  // one broadcast (a lane loop is not)
 };
 
@@ -57,16 +58,20 @@ inline void store(float* p, vf v) { Vec::store(p, v); }
 inline vf splat(float s) { return Vec::splat(s); }
 
 // Calls f(L{}, std::integral_constant<int, NW>{}, w0, c0) for every tile of a
-// row of W pixels and C channels: NW = 4 pixels from w0 (NW = 1 at the row's
-// end), the channels c0 .. c0 + L::n - 1. Pixel tiles outermost, so that the
-// accesses run along memory.
-template <class L, class F>
+// row of W pixels and C channels: NW = MaxNW pixels from w0 (NW = 1 at the
+// row's end), the channels c0 .. c0 + L::n - 1. Pixel tiles outermost, so that
+// the accesses run along memory. MaxNW = 4 reuses each loaded tap over four
+// pixels; MaxNW = 1 reads every map strictly in order, which measured faster
+// for the passes that stream several maps and write some (train_backward's
+// gradient rows, train_apply): the hardware prefetchers follow one stream per
+// map instead of four interleaved ones. (eval_step measured slower with it.)
+template <class L, int MaxNW = 4, class F>
 inline void row_tiles_of(int64_t W, int64_t c_lo, int64_t c_hi, F& f) {
-  for (int64_t w0 = 0; w0 < W; w0 += 4) {
-    const int64_t nw = std::min<int64_t>(4, W - w0);
+  for (int64_t w0 = 0; w0 < W; w0 += MaxNW) {
+    const int64_t nw = std::min<int64_t>(MaxNW, W - w0);
     for (int64_t c0 = c_lo; c0 + L::n <= c_hi; c0 += L::n) {
-      if (nw == 4) {
-        f(L{}, std::integral_constant<int, 4>{}, w0, c0);
+      if (nw == MaxNW) {
+        f(L{}, std::integral_constant<int, MaxNW>{}, w0, c0);
       } else {
         for (int64_t w = w0; w < w0 + nw; ++w) f(L{}, std::integral_constant<int, 1>{}, w, c0);
       }
@@ -74,11 +79,11 @@ inline void row_tiles_of(int64_t W, int64_t c_lo, int64_t c_hi, F& f) {
   }
 }
 
-template <class F>
+template <int MaxNW = 4, class F>
 inline void row_tiles(int64_t W, int64_t C, F&& f) {
   const int64_t cv = C - C % VL;
-  row_tiles_of<VecLanes>(W, 0, cv, f);
-  row_tiles_of<OneLane>(W, cv, C, f);
+  row_tiles_of<VecLanes, MaxNW>(W, 0, cv, f);
+  row_tiles_of<OneLane, MaxNW>(W, cv, C, f);
 }
 
 // Where tap i of channel c lies in a table of taps() (see there).
@@ -214,15 +219,28 @@ struct RowPrefetch {
   }
 };
 
+// Software prefetch for tiles of one pixel, which read each map in order:
+// the same channels `ahead` floats further on in each of the maps (null: none),
+// one request per 64-byte line. (A prefetch past the map's end is harmless.)
+struct AheadPrefetch {
+  const float* maps[4] = {nullptr, nullptr, nullptr, nullptr};
+  int64_t ahead = 0;
+  void at(int64_t o, int64_t c0) const {
+    if (c0 % 16 != 0) return;
+    for (const float* m : maps)
+      if (m != nullptr) __builtin_prefetch(m + o + ahead);
+  }
+};
+
 // out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero
 // padding; wt: a table of taps(), a, shift: [C].
 // (P: the pixel stride of rows, e.g. StagedRows::stride(); x and out: C;
 // Split: conv_acc_split instead of conv_acc)
-template <bool Split = false>
+template <bool Split = false, int MaxNW = 4>
 inline void conv_row(const float* const rows[3], const float* x, float* out, const float* wt,
                      const float* a, const float* shift, int64_t W, int64_t C, int64_t P,
                      const RowPrefetch& pf = RowPrefetch{}) {
-  row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+  row_tiles<MaxNW>(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
     using L = decltype(lanes);
     using V = typename L::V;
     constexpr int NW = decltype(nw)::value;
