@@ -193,8 +193,8 @@ at::Tensor train_apply(const at::Tensor& x, const at::Tensor& mean, const at::Te
       RowPrefetch pf;  // the rows row h + 1 reads first
       pf.rows[0] = h + 2 < H ? mb + (h + 2) * row : nullptr;
       pf.rows[1] = h + 1 < H ? xp + b * m.plane + (h + 1) * row : nullptr;
-      conv_row(rows, xp + b * m.plane + h * row, op_ + b * m.plane + h * row, wt.data(),
-               ap + b * C, sp + b * C, m.W, C, st.stride(), pf);
+      conv_row<false, 1>(rows, xp + b * m.plane + h * row, op_ + b * m.plane + h * row,
+                         wt.data(), ap + b * C, sp + b * C, m.W, C, st.stride(), pf);
       up = mid;
       mid = down;
     }
@@ -389,19 +389,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
       const float* rows[3] = {h > 0 ? slot(h - 1) : nullptr, slot(h),
                               h + 1 < H ? slot(h + 1) : nullptr};
       const int64_t ro = off + h * row;
-      RowPrefetch pf;  // what row h + 1 reads first: gmean, x, prev at h + 1
-      if (h + 1 < H) {
-        if (has_gmean) pf.rows[0] = gmp + ro + row;
-        if (has_prev) {
-          pf.rows[1] = xp + ro + row;
-          pf.rows[2] = pp + ro + row;
-        }
-      }
-      row_tiles(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+      // the maps this row streams, 6 pixels ahead (tiles of one pixel: the
+      // maps are read in order; one row ahead measured slower)
+      AheadPrefetch pf;
+      pf.maps[0] = gmp, pf.maps[1] = gyp, pf.maps[2] = has_prev ? xp : nullptr;
+      pf.maps[3] = has_prev ? pp : nullptr, pf.ahead = 6 * C;
+      row_tiles<1>(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
         using L = decltype(lanes);
         using V = typename L::V;
         constexpr int NW = decltype(nw)::value;
-        pf.tile<NW>(w0, C, c0);
+        pf.at(ro + w0 * C, c0);
         V k[9], gm[NW];
         load_taps<L>(wt_flip.data(), C, c0, k);  // the transposed convolution
         conv_acc<L, NW>(rows, k, w0, W, P, c0, gm);
