@@ -214,12 +214,15 @@ def test_state_update_is_torch_lerp_bit_for_bit(c):
     assert torch.equal(mean, torch.lerp(prev, x, beta[:, :, None, None]))
 
 
-@pytest.mark.parametrize('c', [24, 128])  # 128: rows staged with a padded pixel stride
-def test_kernels_equal_their_definitions(c):
+# 128, 256: rows staged with a padded pixel stride; 256 and 520: rows of several
+# spans of the convolution (span_pixels in csrc/kcla_cpu.h: 16 and 7 pixels),
+# the last one short, and two bands of rows per sample
+@pytest.mark.parametrize('c,h,w', [(24, 5, 6), (128, 5, 6), (256, 9, 20), (520, 9, 17)])
+def test_kernels_equal_their_definitions(c, h, w):
     # each op against its formula, written out in torch (float64)
     ops = torch.ops.kcla_mm
     g = torch.Generator().manual_seed(0)
-    b, h, w = 2, 5, 6
+    b = 2
     x, prev, gy, gmean = (cl(torch.randn(b, c, h, w, generator=g)) for _ in range(4))
     beta, a, shift, alpha, kappa, lam = (torch.rand(b, c, generator=g) for _ in range(6))
     keep = torch.tensor([0.0, 2.0])
@@ -324,3 +327,32 @@ def test_double_backward_raises_instead_of_being_wrong(fused_calls):
     g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match='once_differentiable'):
         g.sum().backward()
+
+
+# 20: vectors and one-channel lanes (VL = 8 or 16); 256: vectors, staged rows
+@pytest.mark.parametrize('c,w', [(20, 6), (256, 20)])
+def test_relu_masks_of_the_passes_agree_bit_for_bit(c, w):
+    # train_apply's ReLU mask (the forward) and the masks train_grad_stats and
+    # train_backward recompute must be the same bit for bit. Constant maps and
+    # taps that sum to about zero make every v a rounding residue whose sign
+    # depends on the order of the sums, so a pass that sums otherwise flips
+    # the masks of whole channels.
+    ops = torch.ops.kcla_mm
+    g = torch.Generator().manual_seed(c)
+    b, h = 2, 9
+    mean = cl(torch.rand(b, c, 1, 1, generator=g).expand(b, c, h, w))
+    wv = torch.randn(c, 9, generator=g)
+    wv[:, 8] = -wv[:, :8].sum(1)
+    wv = wv.view(c, 1, 3, 3)
+    x = cl(torch.zeros(b, c, h, w))
+    a, shift = torch.ones(b, c), torch.zeros(b, c)
+    out = ops.train_apply(x, mean, wv, a, shift)  # relu(v)
+    on = (out > 0).double().sum((2, 3))
+    assert 0 < on.sum() < out.numel()  # both signs occur
+    gy = cl(torch.ones(b, c, h, w))
+    stats = ops.train_grad_stats(gy, mean, wv, a, shift, None)
+    assert torch.equal(stats[:, 0], on)
+    ones = torch.ones(b, c)
+    *_, back_stats = ops.train_backward(gy, None, x, None, mean, None, wv, a, shift, None, ones,
+                                        ones, ones)
+    assert torch.equal(back_stats[:, 0], on)

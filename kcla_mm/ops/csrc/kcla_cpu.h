@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -42,6 +43,17 @@ struct VecLanes {  // a full vector of VL channels
   static V load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
   static void store(float* p, V v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
   static V splat(float s) { return V{} + s; }  // one broadcast (a lane loop is not)
+  // a non-temporal store where p is aligned to the vector (else a plain one):
+  // for maps no pass reads again soon, so that writing them does not first
+  // read their lines into the cache; fence_stores() before the map is read
+  static void store_nt(float* p, V v) {
+#if defined(__AVX512F__)
+    if (reinterpret_cast<uintptr_t>(p) % 64 == 0) return _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+    if (reinterpret_cast<uintptr_t>(p) % 32 == 0) return _mm256_stream_ps(p, (__m256)v);
+#endif
+    store(p, v);
+  }
 };
 
 struct OneLane {  // one channel
@@ -50,7 +62,15 @@ struct OneLane {  // one channel
   static V load(const float* p) { return *p; }
   static void store(float* p, V v) { *p = v; }
   static V splat(float s) { return s; }
+  static void store_nt(float* p, V v) { *p = v; }
 };
+
+// orders the non-temporal stores of store_nt before what follows
+inline void fence_stores() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
 
 using Vec = VecLanes;
 inline vf load(const float* p) { return Vec::load(p); }
@@ -112,7 +132,9 @@ inline void load_window(const float* const rows[3], int64_t w0, int64_t W, int64
   }
 }
 
-// acc[j] = (k * in)(j): the convolution (cross-correlation) of a window.
+// acc[j] = (k * in)(j): the convolution (cross-correlation) of a window, in
+// conv_acc's order. (For full vectors it rounds as conv_acc does; in the
+// one-channel lanes GCC compiles the two to other roundings.)
 template <class L, int NW>
 inline void conv_window(const typename L::V k[9], const typename L::V in[3][NW + 2],
                         typename L::V acc[NW]) {
@@ -174,14 +196,64 @@ inline void conv_acc(const float* const rows[3], const typename L::V k[9], int64
   }
 }
 
+// The depthwise 3x3 convolution of rows (as conv_acc) at the n pixels from
+// w0, channels c0 .. c0 + L::n - 1, into out + j * C + c0 for pixel w0 + j:
+// one pixel after the other with the 9 taps in registers and a sliding window
+// of the three input columns, so 3 loads per output vector instead of 9 taps
+// and 9 inputs for a tile of one pixel. Each pixel's sum is conv_acc's
+// expression in conv_acc's order: the ReLU masks of the training passes agree
+// bit for bit whichever of the two computed them.
+template <class L>
+inline void conv_span(const float* const rows[3], const float* wt, int64_t w0, int64_t n,
+                      int64_t W, int64_t C, int64_t P, int64_t c0, float* out) {
+  using V = typename L::V;
+  V k[9];
+  load_taps<L>(wt, C, c0, k);
+  const V zero = L::splat(0.f);
+  auto col = [&](int i, int64_t w) {
+    return (rows[i] != nullptr && w >= 0 && w < W) ? L::load(rows[i] + w * P + c0) : zero;
+  };
+  V a[3], b[3];
+  for (int i = 0; i < 3; ++i) a[i] = col(i, w0 - 1), b[i] = col(i, w0);
+  const bool r0 = rows[0] != nullptr, r2 = rows[2] != nullptr;
+  for (int64_t j = 0; j < n; ++j) {
+    V c[3];
+    for (int i = 0; i < 3; ++i) c[i] = col(i, w0 + j + 1);
+    V acc = zero;
+    if (r0) acc += k[0] * a[0] + k[1] * b[0] + k[2] * c[0];
+    acc += k[3] * a[1] + k[4] * b[1] + k[5] * c[1];
+    if (r2) acc += k[6] * a[2] + k[7] * b[2] + k[8] * c[2];
+    L::store(out + j * C + c0, acc);
+    for (int i = 0; i < 3; ++i) a[i] = b[i], b[i] = c[i];
+  }
+}
+
+// Pixels per span of conv_pixels: a span of all C channels in 16 KB (L1).
+inline int64_t span_pixels(int64_t C) { return std::max<int64_t>(1, 4096 / C); }
+
+// out[j * C + c] = the depthwise 3x3 convolution of rows at pixel w0 + j,
+// channel c, for the n pixels from w0 (n <= span_pixels(C)); wt: a table of
+// taps(), P: the pixel stride of rows, which are never null in the middle.
+inline void conv_pixels(const float* const rows[3], const float* wt, int64_t w0, int64_t n,
+                        int64_t W, int64_t C, int64_t P, float* out) {
+  const int64_t cv = C - C % VL;
+  for (int64_t c0 = 0; c0 < cv; c0 += VL) conv_span<VecLanes>(rows, wt, w0, n, W, C, P, c0, out);
+  for (int64_t c0 = cv; c0 < C; ++c0) conv_span<OneLane>(rows, wt, w0, n, W, C, P, c0, out);
+}
+
 // lerp_row for the channels c0 .. c0 + L::n - 1 of one pixel
 template <class L>
-inline void lerp_lanes(const float* p, const float* x, const float* beta, float* o, int64_t c0) {
+inline typename L::V lerp_value(const float* p, const float* x, const float* beta, int64_t c0) {
   using V = typename L::V;
   const V b = L::load(beta + c0), pv = L::load(p + c0), xv = L::load(x + c0);
   const V d = xv - pv;
   const V lo = pv + b * d, hi = xv - d * (L::splat(1.0f) - b);
-  L::store(o + c0, b < L::splat(0.5f) ? lo : hi);
+  return b < L::splat(0.5f) ? lo : hi;
+}
+
+template <class L>
+inline void lerp_lanes(const float* p, const float* x, const float* beta, float* o, int64_t c0) {
+  L::store(o + c0, lerp_value<L>(p, x, beta, c0));
 }
 
 // mean_row[w, c] = prev_row[w, c] + beta[c] * (x_row[w, c] - prev_row[w, c])

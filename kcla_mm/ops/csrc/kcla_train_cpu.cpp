@@ -13,7 +13,10 @@
 //   train_backward    gx, gprev, sum over pixels of gm (x - prev), dL/dWv,
 //                     and the sums of train_grad_stats again
 // v is never stored: every pass recomputes it from the rows of mean, which
-// stay in cache. Reductions sum in float over up to 8 rows, then go through
+// stay in cache. The maps the passes write (mean, out, gx, gprev) are written
+// with non-temporal stores (store_nt): no pass reads them back soon, and a
+// plain store would first read every line of the map from memory (in-model
+// A/B on ResNet-50: about 2% of a training step). Reductions sum in float over up to 8 rows, then go through
 // per-task partial sums in double, combined in a fixed order, so results do
 // not depend on the thread count's scheduling.
 #include <ATen/ATen.h>
@@ -116,33 +119,41 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
   const Bands bands(m.B, H);
   std::vector<double> partial(bands.tasks * 2 * C, 0.0);
   bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
-    // the state rows just outside the band, computed here as well
-    std::vector<float> halo(has_prev ? 2 * row : 0), s1(C), s2(C);
+    std::vector<float> s1(C), s2(C);
     StagedRows st(W, C);
-    const int64_t P = st.stride();
+    const int64_t P = st.stride(), ring_row = ((W * P + 15) / 16) * 16 + 16;
+    // with prev: the mean rows h-1..h+1 the convolution reads, in a ring with
+    // the staged pixel stride P
+    std::vector<float> ring_buf(has_prev ? 3 * ring_row + 16 : 0);
+    float* ring = ring_buf.data() +
+                  ((64 - reinterpret_cast<uintptr_t>(ring_buf.data()) % 64) % 64) / sizeof(float);
     const float* xb = xp + b * m.plane;
     float* mb = has_prev ? mp + b * m.plane : nullptr;
+    // row h of mean into the ring and, if the band's (the rows just outside
+    // it are computed here as well), into mean with non-temporal stores: this
+    // pass does not read mean back, the next block's does
     auto state_row = [&](int64_t h, float* dst) {
-      lerp_row(pp + b * m.plane + h * row, xb + h * row, betap + b * C, dst, W, C);
+      const float *pr = pp + b * m.plane + h * row, *xr = xb + h * row, *bt = betap + b * C;
+      float* out = h >= h0 && h < h1 ? mb + h * row : nullptr;
+      row_tiles<1>(W, C, [&](auto lanes, auto, int64_t w, int64_t c0) {
+        using L = decltype(lanes);
+        const typename L::V val = lerp_value<L>(pr + w * C, xr + w * C, bt, c0);
+        L::store(dst + w * P + c0, val);
+        if (out != nullptr) L::store_nt(out + w * C + c0, val);
+      });
     };
     auto mean_row = [&](int64_t h) -> const float* {
       if (h < 0 || h >= H) return nullptr;
-      if (!has_prev) return xb + h * row;
-      if (h < h0) return halo.data();
-      if (h >= h1) return halo.data() + row;
-      return mb + h * row;
+      if (!has_prev) return st.stage(h, xb + h * row);
+      float* dst = ring + ((h + 3) % 3) * ring_row;
+      state_row(h, dst);
+      return dst;
     };
-    if (has_prev) {
-      if (h0 > 0) state_row(h0 - 1, halo.data());
-      if (h1 < H) state_row(h1, halo.data() + row);
-      state_row(h0, mb + h0 * row);
-    }
     double* acc = partial.data() + t * 2 * C;
-    const float* up = st.stage(h0 - 1, mean_row(h0 - 1));
-    const float* mid = st.stage(h0, mean_row(h0));
+    const float* up = mean_row(h0 - 1);
+    const float* mid = mean_row(h0);
     for (int64_t h = h0; h < h1; ++h) {
-      if (has_prev && h + 1 < h1) state_row(h + 1, mb + (h + 1) * row);
-      const float* down = st.stage(h + 1, mean_row(h + 1));
+      const float* down = mean_row(h + 1);
       const float* rows[3] = {up, mid, down};
       up = mid;
       mid = down;
@@ -163,6 +174,7 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
       });
       if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(s1, s2, acc);  // every 8 rows
     }
+    fence_stores();
   });
   return std::make_tuple(mean, bands.per_sample_sums(partial, m.B, 2 * C).view({m.B, 2, C}));
 }
@@ -187,17 +199,31 @@ at::Tensor train_apply(const at::Tensor& x, const at::Tensor& mean, const at::Te
     auto mean_row = [&](int64_t h) { return h >= 0 && h < H ? mb + h * row : nullptr; };
     const float* up = st.stage(h0 - 1, mean_row(h0 - 1));
     const float* mid = st.stage(h0, mean_row(h0));
+    const int64_t S = span_pixels(C), W = m.W, P = st.stride();
+    std::vector<float> v(S * C);
+    const float *ab = ap + b * C, *sb = sp + b * C;
     for (int64_t h = h0; h < h1; ++h) {
       const float* down = st.stage(h + 1, mean_row(h + 1));
       const float* rows[3] = {up, mid, down};
-      RowPrefetch pf;  // the rows row h + 1 reads first
-      pf.rows[0] = h + 2 < H ? mb + (h + 2) * row : nullptr;
-      pf.rows[1] = h + 1 < H ? xp + b * m.plane + (h + 1) * row : nullptr;
-      conv_row<false, 1>(rows, xp + b * m.plane + h * row, op_ + b * m.plane + h * row,
-                         wt.data(), ap + b * C, sp + b * C, m.W, C, st.stride(), pf);
+      const float* xr = xp + b * m.plane + h * row;
+      float* orow = op_ + b * m.plane + h * row;
+      for (int64_t w0 = 0; w0 < W; w0 += S) {
+        const int64_t n = std::min(S, W - w0);
+        conv_pixels(rows, wt.data(), w0, n, W, C, P, v.data());
+        row_tiles<1>(n, C, [&](auto lanes, auto, int64_t j, int64_t c0) {
+          using L = decltype(lanes);
+          using V = typename L::V;
+          const int64_t o = (w0 + j) * C + c0;
+          const V zero = L::splat(0.f);
+          V z = L::load(ab + c0) * L::load(v.data() + j * C + c0) + L::load(sb + c0);
+          z = z > zero ? z : zero;
+          L::store_nt(orow + o, L::load(xr + o) + z);
+        });
+      }
       up = mid;
       mid = down;
     }
+    fence_stores();
   });
   return out;
 }
@@ -356,7 +382,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         V k[9], in[3][NW + 2], v[NW], gv[NW];
         load_taps<L>(wt.data(), C, c0, k);
         load_window<L, NW>(rows, w0, W, P, c0, in);
-        conv_window<L, NW>(k, in, v);
+        // v as train_apply and train_grad_stats compute it, bit for bit (their
+        // ReLU masks): from the window for full vectors; by conv_acc in the
+        // one-channel lanes, where conv_window rounds otherwise (measured)
+        if (L::n == VL) {
+          conv_window<L, NW>(k, in, v);
+        } else {
+          conv_acc<L, NW>(rows, k, w0, W, P, c0, v);
+        }
         const V va = L::load(ap + bc + c0), vs = L::load(sp + bc + c0), vk = L::splat(keep);
         const V al = L::load(alp + bc + c0), ka = L::load(kap + bc + c0),
                 la = L::load(lap + bc + c0);
@@ -384,45 +417,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         }
       });
     };
-    // gx, gprev, gbeta of row h from the gv rows h-1..h+1 in the ring
+    // gx, gprev, gbeta of row h from the gv rows h-1..h+1 in the ring: the
+    // transposed convolution span by span into gmv (conv_pixels), then the
+    // maps streamed in order
+    const int64_t S = span_pixels(C);
+    std::vector<float> gmv(S * C);
     auto grad_row = [&](int64_t h) {
       const float* rows[3] = {h > 0 ? slot(h - 1) : nullptr, slot(h),
                               h + 1 < H ? slot(h + 1) : nullptr};
       const int64_t ro = off + h * row;
-      // the maps this row streams, 6 pixels ahead (tiles of one pixel: the
-      // maps are read in order; one row ahead measured slower)
-      AheadPrefetch pf;
+      AheadPrefetch pf;  // the maps this row streams, 6 pixels ahead
       pf.maps[0] = gmp, pf.maps[1] = gyp, pf.maps[2] = has_prev ? xp : nullptr;
       pf.maps[3] = has_prev ? pp : nullptr, pf.ahead = 6 * C;
-      row_tiles<1>(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
-        using L = decltype(lanes);
-        using V = typename L::V;
-        constexpr int NW = decltype(nw)::value;
-        pf.at(ro + w0 * C, c0);
-        V k[9], gm[NW];
-        load_taps<L>(wt_flip.data(), C, c0, k);  // the transposed convolution
-        conv_acc<L, NW>(rows, k, w0, W, P, c0, gm);
-        if (!has_prev) {
-          for (int j = 0; j < NW; ++j) {
-            const int64_t o = ro + (w0 + j) * C + c0;
-            V g = gm[j];
-            if (has_gmean) g += L::load(gmp + o);
-            L::store(gxp + o, g + L::load(gyp + o));
-          }
-          return;
-        }
-        const V bt = L::load(betap + bc + c0), omb = L::load(one_minus_beta.data() + bc + c0);
-        V s = L::splat(0.f);
-        for (int j = 0; j < NW; ++j) {
+      for (int64_t w0 = 0; w0 < W; w0 += S) {
+        const int64_t n = std::min(S, W - w0);
+        conv_pixels(rows, wt_flip.data(), w0, n, W, C, P, gmv.data());
+        row_tiles<1>(n, C, [&](auto lanes, auto, int64_t j, int64_t c0) {
+          using L = decltype(lanes);
+          using V = typename L::V;
           const int64_t o = ro + (w0 + j) * C + c0;
-          V g = gm[j];
+          pf.at(o, c0);
+          V g = L::load(gmv.data() + j * C + c0);
           if (has_gmean) g += L::load(gmp + o);
-          L::store(gxp + o, L::load(gyp + o) + g * bt);
-          L::store(gpp + o, g * omb);
-          s += (L::load(xp + o) - L::load(pp + o)) * g;
-        }
-        L::store(gb + c0, L::load(gb + c0) + s);
-      });
+          if (!has_prev) {
+            L::store_nt(gxp + o, g + L::load(gyp + o));
+            return;
+          }
+          const V bt = L::load(betap + bc + c0), omb = L::load(one_minus_beta.data() + bc + c0);
+          L::store_nt(gxp + o, L::load(gyp + o) + g * bt);
+          L::store_nt(gpp + o, g * omb);
+          L::store(gb + c0, L::load(gb + c0) + (L::load(xp + o) - L::load(pp + o)) * g);
+        });
+      }
     };
     double* acc = partial.data() + t * n_red;
     auto flush = [&]() {
@@ -440,6 +466,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
       // a row's work at C = 2048, W = 7
       if ((h - h0) % 8 == 7 || h + 1 == h1) flush();
     }
+    fence_stores();
   });
   at::Tensor sums = bands.per_sample_sums(partial, B, n_red);  // [B, 12 C]
   at::Tensor stats = sums.narrow(1, 0, 2 * C).reshape({B, 2, C}).contiguous();
