@@ -274,9 +274,12 @@ def test_ops_benchmark_builds_another_source_tree_side_by_side(tmp_path):
     bad = tmp_path / 'csrc'
     shutil.copytree(csrc, bad)
     header = (bad / 'kcla_cpu.h').read_text()
-    assert 'L::store(out + o, L::load(x + o) + v);' in header  # conv_row's output
-    (bad / 'kcla_cpu.h').write_text(header.replace('L::store(out + o, L::load(x + o) + v);',
-                                                   'L::store(out + o, L::load(x + o) - v);'))
+    # conv_span's middle row of taps, which train_apply convolves with: the right
+    # tap reads the centre column instead (the mutation must land, or the test
+    # would pass without anything to catch)
+    right = 'acc += k[3] * a[1] + k[4] * b[1] + k[5] * c[1];'
+    assert header.count(right) == 1
+    (bad / 'kcla_cpu.h').write_text(header.replace(right, right.replace('c[1]', 'b[1]')))
     with pytest.raises(SystemExit, match='train_apply differs'):
         ops_tool.main(['--against', str(bad), '--batch', '1', '--size', '32', '--rounds', '1',
                        '--threads', '1', '--ops', 'train_apply'])
