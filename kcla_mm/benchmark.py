@@ -114,6 +114,53 @@ def minor_faults() -> Optional[int]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+#: (cpuinfo flag, name) of the vector instruction sets the CPU kernels and
+#: oneDNN choose their code by, widest first
+_VECTOR_ISAS = (('avx512f', 'AVX-512'), ('avx2', 'AVX2'), ('sve', 'SVE'), ('asimd', 'NEON'))
+
+
+def _size_text(kib: int) -> str:
+    return f'{kib // 1024} MiB' if kib >= 1024 and kib % 1024 == 0 else f'{kib} KiB'
+
+
+def cpu_features(cpuinfo: str = '/proc/cpuinfo',
+                 cache_dir: str = '/sys/devices/system/cpu/cpu0/cache') -> str:
+    """The CPU's widest vector instructions and its L2/L3 sizes, for a benchmark header.
+
+    E.g. ``'AVX-512, AMX; L2 2 MiB, L3 480 MiB'``. The ratios of the benchmark
+    depend on these: the plain ResNet's convolutions run faster on wider
+    vectors, while KCLA's passes over the maps are bound by memory traffic.
+    Whatever cannot be read is left out (``''`` where nothing can).
+    """
+    parts = []
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(':', 1)[1].split() for line in f
+                          if line.split(':', 1)[0].strip() in ('flags', 'Features')), [])
+    except OSError:
+        flags = []
+    isa = next((name for flag, name in _VECTOR_ISAS if flag in flags), None)
+    if isa is not None:
+        parts.append(isa + (', AMX' if 'amx_tile' in flags else ''))
+    caches = {}
+    for index in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []:
+        path = os.path.join(cache_dir, index)
+        try:
+            with open(os.path.join(path, 'level')) as f:
+                level = int(f.read())
+            with open(os.path.join(path, 'type')) as f:
+                kind = f.read().strip()
+            with open(os.path.join(path, 'size')) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if level >= 2 and kind in ('Unified', 'Data') and size.endswith('K'):
+            caches[level] = int(size[:-1])
+    if caches:
+        parts.append(', '.join(f'L{lv} {_size_text(kib)}' for lv, kib in sorted(caches.items())))
+    return '; '.join(parts)
+
+
 #: candidate methods, baseline first; ``none`` is the plain ResNet.
 METHODS: Tuple[str, ...] = ('none', 'MRLALight', 'FullLayerAttention', 'KCLA')
 IMAGENET_DEPTHS: Tuple[int, ...] = (50, 101, 152)

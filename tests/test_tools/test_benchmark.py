@@ -139,6 +139,36 @@ def test_benchmark_tool_restarts_from_the_command_line_only(monkeypatch):
     assert not tool.parse_args([]).default_allocator
 
 
+def _fake_cpu(tmp_path, flags, caches):
+    cpuinfo = tmp_path / 'cpuinfo'
+    cpuinfo.write_text(f'processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: {flags}\n\n')
+    for i, (level, kind, size) in enumerate(caches):
+        d = tmp_path / 'cache' / f'index{i}'
+        d.mkdir(parents=True)
+        for name, value in (('level', level), ('type', kind), ('size', size)):
+            (d / name).write_text(f'{value}\n')
+    return str(cpuinfo), str(tmp_path / 'cache')
+
+
+@pytest.mark.parametrize('flags,caches,expected', [
+    ('fpu avx2 avx512f avx512bw amx_tile',
+     [(1, 'Data', '48K'), (1, 'Instruction', '64K'), (2, 'Unified', '2048K'),
+      (3, 'Unified', '491520K')],
+     'AVX-512, AMX; L2 2 MiB, L3 480 MiB'),
+    ('fpu sse4_2 avx2 fma', [(2, 'Unified', '512K'), (3, 'Unified', '32768K')],
+     'AVX2; L2 512 KiB, L3 32 MiB'),
+    ('fpu sse4_2', [], ''),  # nothing known to report
+])
+def test_cpu_features_names_vector_isa_and_outer_caches(tmp_path, flags, caches, expected):
+    # the header states what the ratios depend on: vector width and L2/L3 sizes
+    assert bench.cpu_features(*_fake_cpu(tmp_path, flags, caches)) == expected
+
+
+def test_cpu_features_without_proc_or_sysfs(tmp_path):
+    # a machine without /proc/cpuinfo or the sysfs cache tree: no header part, no error
+    assert bench.cpu_features(str(tmp_path / 'none'), str(tmp_path / 'none')) == ''
+
+
 def test_cifar_depth_must_be_6n_plus_2():
     # 6n + 2 only: a depth of 21 has no CIFAR ResNet.
     with pytest.raises(ValueError, match='6n'):

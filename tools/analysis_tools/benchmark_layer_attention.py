@@ -55,8 +55,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
-                               allocator_description, build_backbone, count_flops, load_results,
-                               markdown_table, plot, restart_with_tuned_allocator, run)
+                               allocator_description, build_backbone, count_flops, cpu_features,
+                               load_results, markdown_table, plot, restart_with_tuned_allocator,
+                               run)
 from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
@@ -160,7 +161,9 @@ def cpu_name() -> str:
 def device_description(device: torch.device) -> str:
     if device.type == 'cuda':
         return f'{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})'
-    return f'CPU {cpu_name()}, {os.cpu_count()} logical cores'
+    features = cpu_features()
+    return (f'CPU {cpu_name()}' + (f' ({features})' if features else '')
+            + f', {os.cpu_count()} logical cores')
 
 
 def write_outputs(results: Dict[Candidate, object], header: List[str], out_dir: str,
