@@ -29,6 +29,7 @@ Measurements (see :func:`measure_times` and :func:`peak_train_memory`):
 """
 import math
 import os
+import platform
 import statistics
 import sys
 import time
@@ -119,6 +120,29 @@ def minor_faults() -> Optional[int]:
 _VECTOR_ISAS = (('avx512f', 'AVX-512'), ('avx2', 'AVX2'), ('sve', 'SVE'), ('asimd', 'NEON'))
 
 
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cpuinfo_value(keys: Sequence[str], cpuinfo: str) -> Optional[str]:
+    """The value of the first ``key : value`` line of ``cpuinfo`` whose key is in ``keys``."""
+    for line in (_read_text(cpuinfo) or '').splitlines():
+        key, sep, value = line.partition(':')
+        if sep and key.strip() in keys:
+            return value.strip()
+    return None
+
+
+def cpu_name(cpuinfo: str = '/proc/cpuinfo') -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else what ``platform`` knows)."""
+    return (_cpuinfo_value(('model name', ), cpuinfo) or platform.processor()
+            or platform.machine())
+
+
 def _size_text(kib: int) -> str:
     return f'{kib // 1024} MiB' if kib >= 1024 and kib % 1024 == 0 else f'{kib} KiB'
 
@@ -133,29 +157,18 @@ def cpu_features(cpuinfo: str = '/proc/cpuinfo',
     Whatever cannot be read is left out (``''`` where nothing can).
     """
     parts = []
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(':', 1)[1].split() for line in f
-                          if line.split(':', 1)[0].strip() in ('flags', 'Features')), [])
-    except OSError:
-        flags = []
+    flags = (_cpuinfo_value(('flags', 'Features'), cpuinfo) or '').split()
     isa = next((name for flag, name in _VECTOR_ISAS if flag in flags), None)
     if isa is not None:
         parts.append(isa + (', AMX' if 'amx_tile' in flags else ''))
     caches = {}
     for index in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []:
-        path = os.path.join(cache_dir, index)
-        try:
-            with open(os.path.join(path, 'level')) as f:
-                level = int(f.read())
-            with open(os.path.join(path, 'type')) as f:
-                kind = f.read().strip()
-            with open(os.path.join(path, 'size')) as f:
-                size = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        if level >= 2 and kind in ('Unified', 'Data') and size.endswith('K'):
-            caches[level] = int(size[:-1])
+        level, kind, size = (_read_text(os.path.join(cache_dir, index, name)) or ''
+                             for name in ('level', 'type', 'size'))
+        level, kind, size = level.strip(), kind.strip(), size.strip()
+        if (level.isdigit() and int(level) >= 2 and kind in ('Unified', 'Data')
+                and size.endswith('K') and size[:-1].isdigit()):
+            caches[int(level)] = int(size[:-1])
     if caches:
         parts.append(', '.join(f'L{lv} {_size_text(kib)}' for lv, kib in sorted(caches.items())))
     return '; '.join(parts)

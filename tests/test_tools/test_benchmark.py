@@ -161,12 +161,15 @@ def _fake_cpu(tmp_path, flags, caches):
 ])
 def test_cpu_features_names_vector_isa_and_outer_caches(tmp_path, flags, caches, expected):
     # the header states what the ratios depend on: vector width and L2/L3 sizes
-    assert bench.cpu_features(*_fake_cpu(tmp_path, flags, caches)) == expected
+    cpuinfo, cache_dir = _fake_cpu(tmp_path, flags, caches)
+    assert bench.cpu_features(cpuinfo, cache_dir) == expected
+    assert bench.cpu_name(cpuinfo) == 'Test CPU'
 
 
 def test_cpu_features_without_proc_or_sysfs(tmp_path):
     # a machine without /proc/cpuinfo or the sysfs cache tree: no header part, no error
     assert bench.cpu_features(str(tmp_path / 'none'), str(tmp_path / 'none')) == ''
+    assert bench.cpu_name(str(tmp_path / 'none'))  # what platform knows instead
 
 
 def test_cifar_depth_must_be_6n_plus_2():

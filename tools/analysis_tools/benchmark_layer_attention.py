@@ -47,7 +47,6 @@ import argparse
 import json
 import os
 import os.path as osp
-import platform
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
@@ -56,8 +55,8 @@ import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
                                allocator_description, build_backbone, count_flops, cpu_features,
-                               load_results, markdown_table, plot, restart_with_tuned_allocator,
-                               run)
+                               cpu_name, load_results, markdown_table, plot,
+                               restart_with_tuned_allocator, run)
 from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
@@ -145,17 +144,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if bad:
         parser.error(f'--cifar-depths {bad}: CIFAR ResNets have depth 6n+2 (8, 14, 20, ...)')
     return args
-
-
-def cpu_name() -> str:
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_description(device: torch.device) -> str:
