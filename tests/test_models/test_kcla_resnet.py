@@ -380,3 +380,117 @@ def test_inference_reuses_state_memory_without_changing_values(monkeypatch):
 
 
 _KCLA_FORWARD = KCLA.forward
+
+
+def _spy_pooled(monkeypatch):
+    """Records, per KCLA step, whether the block handed over its pooled output."""
+    given = []
+    orig = KCLA.forward
+
+    def spy(self, x, state=None, *args, pooled=None, **kwargs):
+        given.append(pooled is not None)
+        return orig(self, x, state, *args, pooled=pooled, **kwargs)
+
+    monkeypatch.setattr(KCLA, 'forward', spy)
+    return given
+
+
+def _torch_relu_pool(x):
+    y = torch.relu_(x)
+    return y, y.mean((2, 3))
+
+
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+@pytest.mark.parametrize('depth', [18, 50])
+def test_blocks_replayed_with_a_pooling_relu_equal_the_host_blocks(cls, depth, monkeypatch):
+    # the backbone replays the host's Bottleneck/BasicBlock with a last ReLU
+    # that pools: the same modules in the same order. With a pure-torch pooling
+    # ReLU (float64, where the kernels do not run) the outputs, gradients and
+    # BN statistics are the host forward's exactly
+    import kcla_mm.models.backbones.kcla_resnet as bmod
+    torch.manual_seed(0)
+    model = tiny(cls, depth=depth, norm_eval=False, channels_last=True).double().train()
+    randomize_norms(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.rand(2, 3, 32, 32, dtype=torch.float64)
+    given = _spy_pooled(monkeypatch)
+    monkeypatch.setattr(bmod, 'relu_pool_', _torch_relu_pool)
+    results = []
+    for replay in (True, False):
+        model.load_state_dict(init)
+        model.zero_grad()
+        if not replay:
+            model.pooling_block_forwards = {}  # the host forward, the operator pools
+        results.append(_grads(model, x))
+    blocks = len(model.layer_attn_modules())
+    assert given == [True] * blocks + [False] * blocks
+    (o0, x0, g0, b0), (o1, x1, g1, b1) = results
+    for a, b in zip(o0, o1):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(x0, x1, rtol=0, atol=0)
+    for n in g1:
+        torch.testing.assert_close(g0[n], g1[n], rtol=0, atol=0, msg=n)
+    for n in b1:
+        torch.testing.assert_close(b0[n], b1[n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+def test_fused_pooling_relu_keeps_the_numbers(cls, monkeypatch):
+    # with the fused kernel (float32, channels-last): inference bit for bit
+    # (eval_step pools as relu_pool_ does), training within float rounding
+    from kcla_mm.ops import cpu_kernels
+    if not cpu_kernels.available():
+        pytest.skip(f'fused CPU kernels not built: {cpu_kernels.build_error()}')
+    torch.manual_seed(0)
+    model = tiny(cls, depth=18, norm_eval=False, channels_last=True)
+    randomize_norms(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.rand(2, 3, 64, 64)
+    given = _spy_pooled(monkeypatch)
+    results = []
+    for replay in (True, False):
+        model.load_state_dict(init)
+        model.pooling_block_forwards = type(model).pooling_block_forwards if replay else {}
+        with torch.no_grad():
+            evals = model.eval()(x)
+        model.train().zero_grad()
+        results.append((evals, ) + _grads(model, x))
+    assert given == [True] * 16 + [False] * 16
+    (e0, o0, x0, g0, _), (e1, o1, x1, g1, _) = results
+    for a, b in zip(e0, e1):
+        assert torch.equal(a, b)
+    for a, b in zip(o0, o1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # (float32 rounding of the pool flips a few ReLU masks of this tiny model)
+    torch.testing.assert_close(x0, x1, rtol=1e-3, atol=1e-3 * x1.abs().max().item())
+    for n in g1:
+        torch.testing.assert_close(g0[n], g1[n], rtol=1e-3, atol=1e-3 * g1[n].abs().max().item(),
+                                   msg=n)
+
+
+def test_blocks_that_cannot_be_replayed_run_the_host_forward(monkeypatch):
+    torch.manual_seed(0)
+    given = _spy_pooled(monkeypatch)
+    x = torch.rand(2, 3, 32, 32)
+    model = tiny(depth=18, channels_last=True).eval()
+    with torch.no_grad():
+        want = model(x)
+    given.clear()
+    # a hook on a block: it sees the host's call
+    seen = []
+    model.layer2[1].register_forward_pre_hook(lambda mod, inp: seen.append(1))
+    with torch.no_grad():
+        got = model(x)
+    assert seen == [1] and given == [True] * 2 + [True, False] + [True] * 4
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # checkpointed blocks and other operators: never replayed
+    given.clear()
+    ckpt = tiny(depth=18, channels_last=True, with_cp=True).train()
+    sum(o.sum() for o in ckpt(x.requires_grad_())).backward()
+    assert len(given) >= 8 and not any(given)  # (checkpointing replays the steps)
+    calls = []
+    import kcla_mm.models.backbones.kcla_resnet as bmod
+    monkeypatch.setattr(bmod, 'relu_pool_', lambda t: calls.append(1) or _torch_relu_pool(t))
+    tiny(depth=18, method='MRLALight', channels_last=True).eval()(x.detach())
+    assert calls == []

@@ -1,5 +1,7 @@
 """``KCLAResNet`` on mmdet's ResNet (detection defaults: ``norm_eval=True``)."""
-from mmdet.models.backbones.resnet import ResNet
+from types import MappingProxyType
+
+from mmdet.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
 
 from .kcla_resnet import KCLAResNetMixin
 
@@ -22,3 +24,8 @@ class KCLAResNet(KCLAResNetMixin, ResNet):
         (1, 64, 4, 4)
         (1, 128, 2, 2)
     """
+
+    pooling_block_forwards = MappingProxyType({
+        Bottleneck.forward: 'bottleneck',
+        BasicBlock.forward: 'basic'
+    })

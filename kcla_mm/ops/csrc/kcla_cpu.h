@@ -386,6 +386,75 @@ class StagedRows {
   float* base_;
 };
 
+// Global average pooling of a channels-last map [B, C, H, W] as eval_step and
+// relu_pool_ both compute it, so that their means agree bit for bit: per
+// sample, chunks of up to kPoolChunk pixels (the parallel tasks), each summed
+// channel by channel in pixel order, in float over kPoolRun pixels at a time
+// and in double over the runs (a float sum over thousands of pixels would
+// lose digits that the eager path's pairwise sum keeps, and a tiny net's ReLU
+// masks amplify them); the chunk sums are added in double in chunk order and
+// divided by H W, then rounded to float (the eager path pools in float32).
+constexpr int64_t kPoolChunk = 2048;
+constexpr int64_t kPoolRun = 16;
+
+struct PoolChunks {
+  int64_t HW, chunk, n;
+  explicit PoolChunks(int64_t HW_)
+      : HW(HW_), chunk(std::max<int64_t>(1, std::min<int64_t>(HW_, kPoolChunk))),
+        n((HW_ + chunk - 1) / chunk) {}
+};
+
+// Sums of chunk j of the sample at xb (see PoolChunks) into dst [C] (double;
+// acc: C floats of scratch). Relu: x = max(x, 0) in place first (NaN stays
+// NaN, as torch.relu_).
+template <bool Relu>
+inline void pool_chunk(float* xb, const PoolChunks& pc, int64_t j, int64_t C, float* acc,
+                       double* dst) {
+  const int64_t s0 = j * pc.chunk, s1 = std::min(pc.HW, s0 + pc.chunk);
+  std::fill(dst, dst + C, 0.0);
+  const int64_t cv = C - C % VL;
+  for (int64_t r0 = s0; r0 < s1; r0 += kPoolRun) {
+    std::fill(acc, acc + C, 0.f);
+    const int64_t r1 = std::min(s1, r0 + kPoolRun);
+    for (int64_t s = r0; s < r1; ++s) {
+      float* r = xb + s * C;
+      auto lanes = [&](auto l, int64_t c0) {
+        using L = decltype(l);
+        typename L::V v = L::load(r + c0);
+        if (Relu) {
+          const typename L::V zero = L::splat(0.f);
+          v = v < zero ? zero : v;
+          L::store(r + c0, v);
+        }
+        L::store(acc + c0, L::load(acc + c0) + v);
+      };
+      for (int64_t c0 = 0; c0 < cv; c0 += VL) lanes(VecLanes{}, c0);
+      for (int64_t c0 = cv; c0 < C; ++c0) lanes(OneLane{}, c0);
+    }
+    for (int64_t c = 0; c < C; ++c) dst[c] += acc[c];
+  }
+}
+
+// means [B, C] (float) of a channels-last map x (relu'd in place first if Relu)
+template <bool Relu>
+inline void pool_means(float* x, int64_t B, int64_t HW, int64_t C, float* means) {
+  const PoolChunks pc(HW);
+  std::vector<double> partial(B * pc.n * C, 0.0);
+  at::parallel_for(0, B * pc.n, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(C);
+    for (int64_t t = lo; t < hi; ++t)
+      pool_chunk<Relu>(x + (t / pc.n) * HW * C, pc, t % pc.n, C, acc.data(),
+                       partial.data() + t * C);
+  });
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < C; ++c) {
+      double s = 0;
+      for (int64_t j = 0; j < pc.n; ++j) s = j == 0 ? partial[(b * pc.n) * C + c]
+                                                    : s + partial[(b * pc.n + j) * C + c];
+      means[b * C + c] = static_cast<float>(s / static_cast<double>(HW));
+    }
+}
+
 inline void check_map(const char* op, const at::Tensor& t, const char* name,
                       at::IntArrayRef shape) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "kcla_mm ", op, ": ", name,
