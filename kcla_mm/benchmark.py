@@ -35,8 +35,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from mmcv.cnn import build_conv_layer, build_norm_layer
@@ -177,12 +176,6 @@ def cpu_features(cpuinfo: str = '/proc/cpuinfo',
 
 #: candidate methods, baseline first; ``none`` is the plain ResNet.
 METHODS: Tuple[str, ...] = ('none', 'MRLALight', 'FullLayerAttention', 'KCLA')
-#: ablations of a method, measured only when asked for: what each leaves out
-ABLATIONS: Mapping[str, str] = MappingProxyType({
-    'KCLA-host-relu': "KCLA with the host block's own forward: a plain last ReLU, then a "
-                      'pooling pass of its own (what the pooling ReLU saves)',
-})
-ALL_METHODS: Tuple[str, ...] = METHODS + tuple(ABLATIONS)
 IMAGENET_DEPTHS: Tuple[int, ...] = (50, 101, 152)
 CIFAR_DEPTHS: Tuple[int, ...] = (20, 56, 110, 254)
 
@@ -255,15 +248,12 @@ def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
     Args:
         family: ``imagenet`` or ``cifar``.
         depth: depth of the family.
-        method: one of :data:`METHODS` or :data:`ABLATIONS`.
+        method: one of :data:`METHODS`.
         tiny: a quarter of the ImageNet widths / half of the CIFAR widths (smoke tests).
         channels_last: the backbone's ``channels_last`` argument (``None``: its default).
     """
-    if method not in ALL_METHODS:
-        raise ValueError(f'method={method!r}; choose from {ALL_METHODS}')
-    host_relu = method == 'KCLA-host-relu'
-    if host_relu:
-        method = 'KCLA'
+    if method not in METHODS:
+        raise ValueError(f'method={method!r}; choose from {METHODS}')
     layer_attn = None if method == 'none' else dict(type=method)
     kw: Dict[str, Any] = dict(layer_attn=layer_attn, channels_last=channels_last)
     if family == 'imagenet':
@@ -281,8 +271,6 @@ def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
     if method != 'none':
         for m in model.layer_attn_modules():
             m.reset_parameters()
-    if host_relu:
-        model.pooling_block_forwards = {}  # every block runs the host's forward
     return model
 
 
@@ -606,12 +594,11 @@ def plot(results: Dict[Candidate, Result], path: str, title: str = '') -> None:
     fig = Figure(figsize=(3.2 * len(metrics), 2.9 * len(families) + 0.6), dpi=90,
                  layout='constrained')
     axes = fig.subplots(len(families), len(metrics), squeeze=False)
-    colours = {'MRLALight': 'tab:green', 'FullLayerAttention': 'tab:blue', 'KCLA': 'tab:red',
-               'KCLA-host-relu': 'tab:orange'}
+    colours = {'MRLALight': 'tab:green', 'FullLayerAttention': 'tab:blue', 'KCLA': 'tab:red'}
     for row, family in zip(axes, families):
         for ax, (attr, scale, label) in zip(row, metrics):
             for compiled in (False, True):
-                for method in ALL_METHODS[1:]:
+                for method in METHODS[1:]:
                     pts = []
                     for c, r in results.items():
                         b = results.get(c.baseline)

@@ -10,9 +10,6 @@
   BatchNorm's batch statistics in four passes (``train_stats``,
   ``train_apply``, ``train_grad_stats``, ``train_backward``); the autograd
   side is :mod:`kcla_mm.ops.fused_tail_cpu`.
-- ``csrc/kcla_pool_cpu.cpp`` folds KCLA's global average pool into the
-  block's last ReLU (``relu_pool_``/``relu_pool_backward``), so that pooling
-  costs no pass of its own; the autograd side is :mod:`kcla_mm.ops.relu_pool`.
 
 Both are compiled with :func:`torch.utils.cpp_extension.load` (needs a C++
 compiler and ``ninja``, which ``tools/setup_env.sh`` installs) into torch's
@@ -37,13 +34,11 @@ from typing import Optional
 import torch
 
 _CSRC = Path(__file__).with_name('csrc')
-_SOURCES = tuple(_CSRC / f
-                 for f in ('kcla_eval_cpu.cpp', 'kcla_train_cpu.cpp', 'kcla_pool_cpu.cpp'))
+_SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
 _HEADERS = (_CSRC / 'kcla_cpu.h', )
 #: the ops the build registers under ``torch.ops.kcla_mm``
 OPS = ('eval_step', 'train_stats', 'train_apply', 'train_grad_stats', 'train_backward',
-       'tail_coeffs', 'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward',
-       'relu_pool_', 'relu_pool_backward')
+       'tail_coeffs', 'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

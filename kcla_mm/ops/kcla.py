@@ -29,8 +29,8 @@ from torch import Tensor, nn
 
 from . import cpu_kernels, fused_tail_cpu
 from ._common import (BlockPosition, DropPath, NormLayer, _cached_norm_affine, check_batch,
-                      check_drop_path, check_heads, check_input, compute_dtype, eca, eca_conv,
-                      fold_norm, global_pool, per_channel, pooled_qk, value_conv)
+                      check_drop_path, check_heads, check_input, eca, eca_conv, fold_norm,
+                      global_pool, per_channel, pooled_qk, value_conv)
 
 
 class KCLAState(NamedTuple):
@@ -291,8 +291,7 @@ class KCLA(nn.Module):
         return o.add_(x), mean  # no new feature map
 
     def forward(self, x: Tensor, state: Optional[KCLAState] = None,
-                reuse_state: bool = False, reuse_input: bool = False,
-                pooled: Optional[Tensor] = None) -> Tuple[Tensor, KCLAState]:
+                reuse_state: bool = False, reuse_input: bool = False) -> Tuple[Tensor, KCLAState]:
         """One KCLA step: ``(x + attention output, new state)``.
 
         Args:
@@ -305,23 +304,14 @@ class KCLA(nn.Module):
             reuse_input: likewise for ``x``: without autograd the output may
                 be written into it (only by the fused CPU kernel, and never
                 where ``x`` becomes the state).
-            pooled: ``x.mean((2, 3))`` as ``[B, C]`` (float32; float64 for a
-                float64 ``x``), already computed
-                by :func:`kcla_mm.ops.relu_pool_` (the block's last ReLU), so
-                that the fused CPU kernels need not pool ``x`` again; the
-                other paths pool ``x`` themselves and ignore it.
         """
         check_input(x, self.channels, 'KCLA')
-        if pooled is not None:
-            _check_pooled(pooled, x)
-            pooled = pooled.contiguous()
         renormed = False
         if state is not None:
             check_batch(state.mean.shape[0], x, 'KCLA')
             if self.renorm:
                 if self._fusable(x, state, adapt=True):  # adjust and norm_u in the kernel
-                    return self._fused_eval(x, state, False, reuse_input, adapt=True,
-                                            pooled=pooled)
+                    return self._fused_eval(x, state, False, reuse_input, adapt=True)
                 state = self.renormalize(state, x)
                 renormed = True  # a new map, owned here
             elif state.mean.shape != x.shape:
@@ -330,10 +320,9 @@ class KCLA(nn.Module):
                     f'block output {tuple(x.shape)}; only an init layer (renorm=True) '
                     'adapts a state of another width or resolution')
         if self._fusable(x, state):
-            return self._fused_eval(x, state, reuse_state or renormed, reuse_input,
-                                    pooled=pooled)
+            return self._fused_eval(x, state, reuse_state or renormed, reuse_input)
         if self._fused_training(x, state):
-            return self._fused_train(x, state, pooled)
+            return self._fused_train(x, state)
         q, k = self.keys(x)  # [B, G, d] each
         k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
         log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)
@@ -367,14 +356,12 @@ class KCLA(nn.Module):
                                               self.wv.weight)
                 and cpu_kernels.available())
 
-    def _fused_train(self, x: Tensor, state: Optional[KCLAState],
-                     pooled: Optional[Tensor] = None) -> Tuple[Tensor, KCLAState]:
+    def _fused_train(self, x: Tensor, state: Optional[KCLAState]) -> Tuple[Tensor, KCLAState]:
         """:meth:`forward` in training by the fused CPU kernels (same numerics)."""
         b, c = x.shape[:2]
         beta, scale, log_z = fused_tail_cpu.HeadMath.apply(
-            self, global_pool(x) if pooled is None else pooled,
-            None if state is None else state.log_z, self.wq.weight, self.wk.weight,
-            self.phi.weight)
+            self, global_pool(x), None if state is None else state.log_z, self.wq.weight,
+            self.wk.weight, self.phi.weight)
         out, mean = fused_tail_cpu.FusedTail.apply(
             self, x, None if state is None else state.mean,
             None if beta is None else beta.view(b, c, 1, 1), scale.view(b, c, 1, 1),
@@ -408,8 +395,7 @@ class KCLA(nn.Module):
         return cpu_kernels.available()
 
     def _fused_eval(self, x: Tensor, state: Optional[KCLAState], reuse_prev: bool,
-                    reuse_input: bool, adapt: bool = False,
-                    pooled: Optional[Tensor] = None) -> Tuple[Tensor, KCLAState]:
+                    reuse_input: bool, adapt: bool = False) -> Tuple[Tensor, KCLAState]:
         """:meth:`forward` in eval mode by ``torch.ops.kcla_mm.eval_step``."""
         weight, shift = _cached_norm_affine(self.norm, torch.float32)  # [1, C, 1, 1] each
         prev = None if state is None else state.mean
@@ -423,7 +409,7 @@ class KCLA(nn.Module):
             x, prev, None if state is None or adapt else state.log_z, self.wq.weight,
             self.wk.weight, self.inv_tau, self.phi.weight, self.wv.weight, weight, shift,
             adj_w, adj_b, wk_u, self.stride, -1.0 if self.clamp is None else self.clamp,
-            self.eps, reuse_prev, reuse_input and prev is not None, pooled)
+            self.eps, reuse_prev, reuse_input and prev is not None)
         return out, KCLAState(mean, log_z)
 
     def extra_repr(self) -> str:
@@ -437,17 +423,6 @@ ANALYTIC_BACKWARD = True
 #: train with the fused CPU kernels where they apply (tests switch it off to
 #: compare with the recomputed tail).
 FUSED_TRAINING = True
-
-
-def _check_pooled(pooled: Tensor, x: Tensor) -> None:
-    b, c = x.shape[:2]
-    dtype = compute_dtype(x.dtype)  # the dtype the operator pools in
-    if (not isinstance(pooled, Tensor) or tuple(pooled.shape) != (b, c)
-            or pooled.dtype != dtype or pooled.device != x.device):
-        got = (f'{tuple(pooled.shape)} {pooled.dtype} on {pooled.device}'
-               if isinstance(pooled, Tensor) else type(pooled).__name__)
-        raise ValueError(f'KCLA: pooled must be the [{b}, {c}] {dtype} mean of x on '
-                         f'{x.device}, got {got}')
 
 
 def _compiling() -> bool:

@@ -33,14 +33,6 @@ def cells(line):
     return [c.strip() for c in line.strip().strip('|').split('|')]
 
 
-def _load_tool():
-    """The benchmark tool as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location('kcla_benchmark_tool', TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 @pytest.mark.slow  # a subprocess: imports mmdet (10-20 s on a shared 2-core machine)
 def test_quick_run_writes_table_and_plot(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in TUNED_ALLOCATOR_ENV}
@@ -133,7 +125,9 @@ def test_restart_with_tuned_allocator_reexecutes_once_with_the_settings(monkeypa
 
 
 def test_benchmark_tool_restarts_from_the_command_line_only(monkeypatch):
-    tool = _load_tool()
+    spec = importlib.util.spec_from_file_location('kcla_benchmark_tool', TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
     calls = _record_exec(monkeypatch)
     monkeypatch.delenv(THP_ENV, raising=False)
     monkeypatch.setattr(bench.sys, 'platform', 'linux')
@@ -176,26 +170,6 @@ def test_cpu_features_without_proc_or_sysfs(tmp_path):
     # a machine without /proc/cpuinfo or the sysfs cache tree: no header part, no error
     assert bench.cpu_features(str(tmp_path / 'none'), str(tmp_path / 'none')) == ''
     assert bench.cpu_name(str(tmp_path / 'none'))  # what platform knows instead
-
-
-def test_host_relu_ablation_is_kcla_with_the_host_blocks():
-    # the ablation runs the same KCLA on the host's block forward (plain ReLU,
-    # the operator pools): same weights, same numbers, another code path
-    torch.manual_seed(0)
-    kcla = build_backbone('imagenet', 18, 'KCLA', tiny=True)
-    ablated = build_backbone('imagenet', 18, 'KCLA-host-relu', tiny=True)
-    assert kcla.pooling_block_forwards and ablated.pooling_block_forwards == {}
-    ablated.load_state_dict(kcla.state_dict())
-    x = torch.rand(2, 3, 64, 64)
-    with torch.no_grad():
-        for a, b in zip(kcla.eval()(x), ablated.eval()(x)):
-            assert torch.equal(a, b)
-    with pytest.raises(ValueError, match='KCLA-host-relu'):
-        build_backbone('imagenet', 18, 'KCLA-hostrelu')
-    tool = _load_tool()
-    args = tool.parse_args(['--methods', 'KCLA-host-relu', 'KCLA', '--quick'])
-    assert args.methods == ['none', 'KCLA', 'KCLA-host-relu']  # baseline first, then in order
-    assert tool.parse_args(['--quick']).methods == METHODS  # not measured unless asked
 
 
 def test_cifar_depth_must_be_6n_plus_2():

@@ -53,10 +53,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from kcla_mm.benchmark import (ABLATIONS, ALL_METHODS, CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS,
-                               Candidate, Setting, allocator_description, build_backbone,
-                               count_flops, cpu_features, cpu_name, load_results, markdown_table,
-                               plot, restart_with_tuned_allocator, run)
+from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
+                               allocator_description, build_backbone, count_flops, cpu_features,
+                               cpu_name, load_results, markdown_table, plot,
+                               restart_with_tuned_allocator, run)
 from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
@@ -70,11 +70,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description='\n\n'.join(doc[:2]), epilog='\n\n'.join(doc[2:]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--methods', nargs='+', default=list(METHODS), choices=ALL_METHODS,
+    parser.add_argument('--methods', nargs='+', default=list(METHODS), choices=METHODS,
                         metavar='METHOD',
-                        help=f'methods to measure, any of {", ".join(METHODS)} (default: all '
-                        'of them), or the ablation ' + '; '.join(
-                            f'{k}: {v}' for k, v in ABLATIONS.items()) + '; the plain '
+                        help=f'methods to measure, any of {", ".join(METHODS)}; the plain '
                         'baseline "none" is always added')
     parser.add_argument('--depths', type=int, nargs='*', default=None,
                         help=f'ResNet depths (18, 34, 50, 101, 152; none: skip the family); '
@@ -132,7 +130,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             setattr(args, k, v)
     if 'none' not in args.methods:
         args.methods = ['none'] + args.methods
-    args.methods = [m for m in ALL_METHODS if m in args.methods]
+    args.methods = [m for m in METHODS if m in args.methods]
     if args.repeats < 1 or args.warmup < 0 or args.inner < 1:
         parser.error('--repeats and --inner must be >= 1 and --warmup >= 0')
     if args.compile and args.warmup < 1:

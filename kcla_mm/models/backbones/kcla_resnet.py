@@ -16,7 +16,7 @@ import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from torch import Tensor, nn
 
-from ...ops import KCLA, BlockPosition, build_layer_attn, relu_pool_, saved_output_hooks
+from ...ops import KCLA, BlockPosition, build_layer_attn, saved_output_hooks
 
 DEFAULT_LAYER_ATTN: Mapping = MappingProxyType({'type': 'KCLA'})
 
@@ -73,15 +73,6 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
 
 
-def _any_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run any hook of its own or a global one."""
-    m = nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or m._global_forward_hooks
-                or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
-
-
 class KCLAResNetMixin:
     """Adds layer attention to a host ``ResNet`` subclass (put it first in the MRO).
 
@@ -102,11 +93,6 @@ class KCLAResNetMixin:
             element-wise state update slow instead. Values are unchanged.
         **kwargs: the host ResNet's arguments, with their host semantics.
     """
-
-    #: the host's residual blocks whose forward :meth:`_block` may replay, by
-    #: their ``forward`` function: ``'bottleneck'`` or ``'basic'`` (set by the
-    #: host subclasses)
-    pooling_block_forwards: Mapping = MappingProxyType({})
 
     def __init__(self,
                  depth: int,
@@ -234,46 +220,14 @@ class KCLAResNetMixin:
             x = self.relu(self.norm1(self.conv1(x)))
         return self.maxpool(x)
 
-    def _block(self, block: nn.Module, attn: nn.Module, x: Tensor):
-        """``(block(x), its global average pool or None)``.
-
-        KCLA pools every block output. For the host's own Bottleneck and
-        BasicBlock (no plugins, no checkpointing, no hooks) the block's last
-        ReLU does it (:func:`kcla_mm.ops.relu_pool_`, where the fused CPU kernel
-        applies): the block's modules are called in the host's order, and
-        only its final in-place ReLU is replaced by one that pools as it goes,
-        at the same memory traffic, so no pass over the map is spent on pooling.
-        Elsewhere the host's forward runs and the operator pools.
-        """
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return block(x), None  # the kernel does not run there: trace the host's code
-        kind = self.pooling_block_forwards.get(getattr(type(block), 'forward', None))
-        if (kind is None or not isinstance(attn, KCLA) or self.with_cp
-                or getattr(block, 'with_plugins', False) or type(block.relu) is not nn.ReLU
-                or _any_hooks(block)):
-            return block(x), None
-        identity = x
-        out = block.relu(block.norm1(block.conv1(x)))
-        if kind == 'bottleneck':
-            out = block.relu(block.norm2(block.conv2(out)))
-            out = block.norm3(block.conv3(out))
-        else:
-            out = block.norm2(block.conv2(out))
-        if block.downsample is not None:
-            identity = block.downsample(x)
-        out += identity
-        return relu_pool_(out)
-
-    def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module,
-                pooled: Optional[Tensor] = None):
+    def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module):
         if self.with_cp and x.requires_grad:
             return cp.checkpoint(attn, x, state, use_reentrant=False)
-        kw = {} if pooled is None else {'pooled': pooled}
         if isinstance(attn, KCLA) and not torch.is_grad_enabled():
             # the backbone owns the states: the new one may take the old one's
             # memory; and the block output, unless a forward hook may have kept it
-            return attn(x, state, reuse_state=True, reuse_input=not _hooked(block), **kw)
-        return attn(x, state, **kw)
+            return attn(x, state, reuse_state=True, reuse_input=not _hooked(block))
+        return attn(x, state)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
         """Per-stage outputs for ``out_indices``; ``[B, C_s, H/2^(s+2), W/2^(s+2)]``.
@@ -297,8 +251,8 @@ class KCLAResNetMixin:
                 # the block's saved copies of x (a KCLA output) are recomputed
                 # in the backward pass instead of kept (no-op where inapplicable)
                 with saved_output_hooks(x) if not self.with_cp else nullcontext():
-                    x, pooled = self._block(block, attn, x)
-                x, state = self._attend(attn, x, state, block, pooled)
+                    x = block(x)
+                x, state = self._attend(attn, x, state, block)
             if i in self.out_indices:
                 # NOTE: outputs leave NCHW-contiguous: mmcv's RoIAlign reads its
                 # input as NCHW and silently returns scrambled features for a

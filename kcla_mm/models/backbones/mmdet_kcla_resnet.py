@@ -1,7 +1,5 @@
 """``KCLAResNet`` on mmdet's ResNet (detection defaults: ``norm_eval=True``)."""
-from types import MappingProxyType
-
-from mmdet.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
+from mmdet.models.backbones.resnet import ResNet
 
 from .kcla_resnet import KCLAResNetMixin
 
@@ -24,8 +22,3 @@ class KCLAResNet(KCLAResNetMixin, ResNet):
         (1, 64, 4, 4)
         (1, 128, 2, 2)
     """
-
-    pooling_block_forwards = MappingProxyType({
-        Bottleneck.forward: 'bottleneck',
-        BasicBlock.forward: 'basic'
-    })

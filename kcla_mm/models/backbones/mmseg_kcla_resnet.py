@@ -1,7 +1,5 @@
 """``KCLAResNet`` on mmseg's ResNet (segmentation defaults, ``contract_dilation``)."""
-from types import MappingProxyType
-
-from mmseg.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
+from mmseg.models.backbones.resnet import ResNet
 
 from .kcla_resnet import KCLAResNetMixin
 
@@ -27,8 +25,3 @@ class KCLAResNetSeg(KCLAResNetMixin, ResNet):
         (1, 64, 8, 8)
         (1, 128, 8, 8)
     """
-
-    pooling_block_forwards = MappingProxyType({
-        Bottleneck.forward: 'bottleneck',
-        BasicBlock.forward: 'basic'
-    })

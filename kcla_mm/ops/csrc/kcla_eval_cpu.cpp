@@ -6,8 +6,7 @@
 //   mean' = lerp(mean, x, beta)                          (the new state)
 //   a = sigmoid(Phi(<q, k> / |k|)) * sigmoid(log z' - log eps) * gamma / sigma
 //   out = x + relu(a * Wv(mean') + (beta_bn - gamma mu / sigma))
-// in two passes over the feature map: the pooling pass (none where the caller
-// passes the pooled x, see relu_pool_ in kcla_pool_cpu.cpp), then one streaming
+// in two passes over the feature map: the pooling pass, then one streaming
 // pass over rows that writes the state row h+1 and the output row h (the
 // depthwise 3x3 value convolution reads the state rows h-1..h+1 while they
 // are still in cache). The state may be written into the incoming state's
@@ -131,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
     const at::Tensor& norm_scale, const at::Tensor& norm_shift,
     const c10::optional<at::Tensor>& adj_w_opt, const c10::optional<at::Tensor>& adj_b_opt,
     const c10::optional<at::Tensor>& wk_u_opt, int64_t stride, double clamp, double eps,
-    bool reuse_prev, bool inplace_out, const c10::optional<at::Tensor>& pooled_opt) {
+    bool reuse_prev, bool inplace_out) {
   TORCH_CHECK(x.dim() == 4, "kcla_mm eval_step: x must be [B, C, H, W], got ", x.sizes());
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   check_map("eval_step", x, "x", x.sizes());
@@ -197,15 +196,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
   const int64_t HW = H * W, plane = HW * C;
   const float* xp = x.data_ptr<float>();
 
-  // -- pass 1: global average pool, [B, C] (skipped where the caller pooled x:
-  // relu_pool_ did, as the block's last ReLU, with the same arithmetic) --
-  std::vector<float> pooled(B * C);
-  if (pooled_opt.has_value() && pooled_opt->defined()) {
-    const float* src = param<float>("eval_step", *pooled_opt, B * C, "pooled");
-    std::copy(src, src + B * C, pooled.begin());
-  } else {
-    pool_means<false>(x.data_ptr<float>(), B, HW, C, pooled.data());
-  }
+  // -- pass 1: global average pool, [B, C] --
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(HW, 2048));
+  const int64_t nchunks = (HW + chunk - 1) / chunk;
+  std::vector<double> partial(B * nchunks * C, 0.0);
+  at::parallel_for(0, B * nchunks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(C);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / nchunks, j = t % nchunks;
+      const int64_t s0 = j * chunk, s1 = std::min(HW, s0 + chunk);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float* ap = acc.data();
+      for (int64_t s = s0; s < s1; ++s) {
+        const float* r = xp + b * plane + s * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) ap[c] += r[c];
+      }
+      double* dst = partial.data() + t * C;
+      for (int64_t c = 0; c < C; ++c) dst[c] = acc[c];
+    }
+  });
 
   // pooled adapted state: GAP(ubar) = bias + wa . GAP(prev[::stride, ::stride]) (linear)
   std::vector<float> lz_adapt;
@@ -259,7 +269,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
   std::vector<double> pp_(C + 2 * pad, 0.0), q(C), k(C), hq(G), gate(G);
   double* p = pp_.data() + pad;
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t c = 0; c < C; ++c) p[c] = pooled[b * C + c];
+    for (int64_t j = 0; j < nchunks; ++j) {
+      const double* src = partial.data() + (b * nchunks + j) * C;
+      if (j == 0) {
+        for (int64_t c = 0; c < C; ++c) p[c] = src[c];
+      } else {
+        for (int64_t c = 0; c < C; ++c) p[c] += src[c];
+      }
+    }
+    // the eager path pools in float32: round like it before the ECA
+    for (int64_t c = 0; c < C; ++c) p[c] = static_cast<float>(p[c] / static_cast<double>(HW));
     double* __restrict__ qp = q.data();
     double* __restrict__ kp = k.data();
     std::fill(qp, qp + C, 0.0);
@@ -381,7 +400,7 @@ TORCH_LIBRARY(kcla_mm, m) {
       "eval_step(Tensor x, Tensor? prev, Tensor? log_z, Tensor wq, Tensor wk, Tensor inv_tau, "
       "Tensor phi, Tensor wv, Tensor norm_scale, Tensor norm_shift, Tensor? adj_w, Tensor? adj_b, "
       "Tensor? wk_u, int stride, float clamp, float eps, "
-      "bool reuse_prev, bool inplace_out, Tensor? pooled=None) -> (Tensor, Tensor, Tensor)");
+      "bool reuse_prev, bool inplace_out) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) { m.impl("eval_step", &eval_step); }
