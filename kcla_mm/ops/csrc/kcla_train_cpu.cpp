@@ -13,16 +13,12 @@
 //   train_backward    gx, gprev, sum over pixels of gm (x - prev), dL/dWv,
 //                     and the sums of train_grad_stats again
 // v is never stored: every pass recomputes it from the rows of mean, which
-// stay in cache. The maps mean, out and gprev are written with non-temporal
-// stores (store_nt): a plain store would first read every line of the map
-// from memory (in-model A/B on ResNet-50: about 2% of a training step). gx is
-// the exception: autograd reads it right away (it adds the pooling's gradient,
-// then runs the block's ReLU backward), so it is written through the cache
-// (in-model A/B on the Intel VM, three runs: 4-8 ms less per ResNet-50
-// training step of about 610; not measured on the AMD VM; plain stores for
-// out, gprev or mean measured slower or the same). Reductions sum in float over up
-// to 8 rows, then go through per-task partial sums in double, combined in a
-// fixed order, so results do not depend on the thread count's scheduling.
+// stay in cache. The maps the passes write (mean, out, gx, gprev) are written
+// with non-temporal stores (store_nt): no pass reads them back soon, and a
+// plain store would first read every line of the map from memory (in-model
+// A/B on ResNet-50: about 2% of a training step). Reductions sum in float over up to 8 rows, then go through
+// per-task partial sums in double, combined in a fixed order, so results do
+// not depend on the thread count's scheduling.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -444,11 +440,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
           V g = L::load(gmv.data() + j * C + c0);
           if (has_gmean) g += L::load(gmp + o);
           if (!has_prev) {
-            L::store(gxp + o, g + L::load(gyp + o));  // read next: cached (see the top)
+            L::store_nt(gxp + o, g + L::load(gyp + o));
             return;
           }
           const V bt = L::load(betap + bc + c0), omb = L::load(one_minus_beta.data() + bc + c0);
-          L::store(gxp + o, L::load(gyp + o) + g * bt);
+          L::store_nt(gxp + o, L::load(gyp + o) + g * bt);
           L::store_nt(gpp + o, g * omb);
           L::store(gb + c0, L::load(gb + c0) + (L::load(xp + o) - L::load(pp + o)) * g);
         });
