@@ -291,19 +291,6 @@ struct RowPrefetch {
   }
 };
 
-// Software prefetch for tiles of one pixel, which read each map in order:
-// the same channels `ahead` floats further on in each of the maps (null: none),
-// one request per 64-byte line. (A prefetch past the map's end is harmless.)
-struct AheadPrefetch {
-  const float* maps[4] = {nullptr, nullptr, nullptr, nullptr};
-  int64_t ahead = 0;
-  void at(int64_t o, int64_t c0) const {
-    if (c0 % 16 != 0) return;
-    for (const float* m : maps)
-      if (m != nullptr) __builtin_prefetch(m + o + ahead);
-  }
-};
-
 // out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero
 // padding; wt: a table of taps(), a, shift: [C].
 // (P: the pixel stride of rows, e.g. StagedRows::stride(); x and out: C;

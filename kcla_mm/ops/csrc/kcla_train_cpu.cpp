@@ -214,7 +214,9 @@ at::Tensor train_apply(const at::Tensor& x, const at::Tensor& mean, const at::Te
       // faster out of cache (ResNet-50 shapes, 600 MB of rotating maps) and
       // 3% in benchmark_cpu_ops.py; the training step's change was within
       // the noise of an in-model A/B there. Fetching x a row ahead as well
-      // added nothing.
+      // added nothing. (Written out on purpose: GCC 12 compiled the same
+      // prefetch to nothing when it went through a struct of map pointers
+      // here; objdump -d shows whether a prefetcht0 is left.)
       const float* next_staged = h + 2 < H ? mb + (h + 2) * row : nullptr;
       for (int64_t w0 = 0; w0 < W; w0 += S) {
         const int64_t n = std::min(S, W - w0);
@@ -436,9 +438,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
       const float* rows[3] = {h > 0 ? slot(h - 1) : nullptr, slot(h),
                               h + 1 < H ? slot(h + 1) : nullptr};
       const int64_t ro = off + h * row;
-      AheadPrefetch pf;  // the maps this row streams, 6 pixels ahead
-      pf.maps[0] = gmp, pf.maps[1] = gyp, pf.maps[2] = has_prev ? xp : nullptr;
-      pf.maps[3] = has_prev ? pp : nullptr, pf.ahead = 6 * C;
       for (int64_t w0 = 0; w0 < W; w0 += S) {
         const int64_t n = std::min(S, W - w0);
         conv_pixels(rows, wt_flip.data(), w0, n, W, C, P, gmv.data());
@@ -446,7 +445,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
           using L = decltype(lanes);
           using V = typename L::V;
           const int64_t o = ro + (w0 + j) * C + c0;
-          pf.at(o, c0);
           V g = L::load(gmv.data() + j * C + c0);
           if (has_gmean) g += L::load(gmp + o);
           if (!has_prev) {
