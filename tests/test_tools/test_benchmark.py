@@ -293,6 +293,46 @@ def test_ops_benchmark_times_every_op_of_the_installed_build(capsys):
         ops_tool.main(['--against', str(ROOT / 'tests'), '--size', '64', '--rounds', '1'])
 
 
+def test_ops_benchmark_rotation_copies_inputs_to_the_requested_size():
+    ops_tool = _ops_tool()
+    d = {'x': torch.arange(250_000, dtype=torch.float32), 'v': torch.ones(3)}  # ~1 MB
+    assert ops_tool.rotation(d, 0) == [d]
+    copies = ops_tool.rotation(d, 3.5)
+    assert len(copies) == 4 and copies[0] is d  # ceil(3.5 MB / 1.000012 MB)
+    for c in copies[1:]:
+        assert c.keys() == d.keys()
+        assert all(torch.equal(c[k], d[k]) and c[k].data_ptr() != d[k].data_ptr() for k in d)
+
+
+def test_ops_benchmark_gives_each_call_the_next_copy():
+    ops_tool = _ops_tool()
+    seen = []
+    copies = [{'id': i} for i in range(3)]
+    fake = {op: (lambda d: seen.append(d['id'])) for op in ('train_stats', 'eval_step')}
+    real_calls = ops_tool.calls
+    ops_tool.calls = lambda ns: fake
+    try:
+        times = ops_tool.measure(['a', 'b'], [(copies, 2)], ('train_stats', 'eval_step'),
+                                 rounds=2, warmup=0)
+    finally:
+        ops_tool.calls = real_calls
+    assert seen == [0, 1, 2, 0, 1, 2, 0, 1]  # 2 rounds x 2 builds x 2 ops, in turn
+    assert set(times) == {(ns, op) for ns in 'ab' for op in ('train_stats', 'eval_step')}
+    assert all(len(v) == 2 for v in times.values())
+
+
+def test_ops_benchmark_rotates_inputs_when_asked(capsys):
+    _needs_kernels()
+    ops_tool = _ops_tool()
+    times = ops_tool.main(['--batch', '1', '--size', '64', '--rounds', '1', '--warmup', '0',
+                           '--threads', '1', '--ops', 'train_apply', '--rotate-mb', '2'])
+    assert set(times) == {('kcla_mm', 'train_apply')}
+    out = capsys.readouterr().out
+    assert 'inputs rotated over' in out and 'copies per stage (at least 2 MB each' in out
+    with pytest.raises(SystemExit):
+        ops_tool.parse_args(['--rotate-mb', '-1'])
+
+
 @pytest.mark.slow  # compiles a second copy of the kernels (about a minute on 2 cores)
 def test_ops_benchmark_builds_another_source_tree_side_by_side(tmp_path):
     _needs_kernels()

@@ -14,11 +14,21 @@ versions of a kernel compare on one machine at one time::
     .venv/bin/python tools/analysis_tools/benchmark_cpu_ops.py \\
         --against /tmp/before/kcla_mm/ops/csrc
 
+By default every call reads the same inputs, which then stay in the caches
+between calls; in a network most of a block's maps come from memory.
+``--rotate-mb 600`` keeps copies of each stage's inputs, at least that many
+MB of them, and gives every call the next copy, so that each call reads its
+maps from memory (on the Intel VM a prefetch in ``train_apply`` measured 3%
+with the same inputs and 8-11% out of cache). Passing the same folder twice
+to ``--against`` builds it twice: an A/A pair, whose spread is the noise
+floor of the comparison.
+
 Restarts itself with the tuned CPU allocator settings unless
 ``--default-allocator`` (see :data:`kcla_mm.benchmark.TUNED_ALLOCATOR_ENV`).
 """
 import argparse
 import hashlib
+import math
 import re
 import shutil
 import statistics
@@ -120,20 +130,35 @@ def check_same(namespace: str, data: Sequence[Tuple[Dict[str, torch.Tensor], int
                                      f'(max relative error {err:.2e})')
 
 
+def rotation(d: Dict[str, torch.Tensor], megabytes: float) -> List[Dict[str, torch.Tensor]]:
+    """``d`` and copies of it, at least ``megabytes`` MB of tensors in all (``d`` alone for 0)."""
+    size = sum(t.numel() * t.element_size() for t in d.values()) / 1e6
+    copies = max(1, math.ceil(megabytes / size)) if megabytes > 0 else 1
+    return [d] + [{k: t.clone() for k, t in d.items()} for _ in range(copies - 1)]
+
+
 def measure(namespaces: Sequence[str], data, ops: Sequence[str], rounds: int,
             warmup: int) -> Dict[Tuple[str, str], List[float]]:
-    """ms per ResNet-50 step of each op, per round: ``{(namespace, op): [ms, ...]}``."""
+    """ms per ResNet-50 step of each op, per round: ``{(namespace, op): [ms, ...]}``.
+
+    ``data``: ``[(inputs, blocks)]`` per stage, ``inputs`` one dict or a list
+    of copies (see :func:`rotation`), used in turn, one per call.
+    """
     times = {(ns, op): [] for ns in namespaces for op in ops}
+    data = [(d if isinstance(d, list) else [d], blocks) for d, blocks in data]
+    calls_made = 0
     for r in range(warmup + rounds):
         order = list(namespaces[r % len(namespaces):]) + list(namespaces[:r % len(namespaces)])
         for ns in order:
             fns = calls(ns)
             for op in ops:
                 total = 0.0
-                for d, blocks in data:
+                for copies, blocks in data:
+                    d = copies[calls_made % len(copies)]
                     start = time.perf_counter()
                     fns[op](d)
                     total += (time.perf_counter() - start) * blocks
+                calls_made += 1
                 if r >= warmup:
                     times[(ns, op)].append(total * 1e3)
     return times
@@ -164,6 +189,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--rounds', type=int, default=9)
     parser.add_argument('--warmup', type=int, default=1)
     parser.add_argument('--ops', nargs='+', default=list(OPS), choices=OPS)
+    parser.add_argument('--rotate-mb', type=float, default=0.0, metavar='MB',
+                        help='keep copies of each stage\'s inputs, at least this many MB, and '
+                        'give each call the next copy, so that it reads from memory, not cache '
+                        '(e.g. 600; default 0: the same inputs every call)')
     parser.add_argument('--default-allocator', action='store_true',
                         help='keep the allocators\' default settings (by default the tool '
                         're-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
@@ -173,6 +202,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f'--{name} must be >= 1, got {getattr(args, name)}')
     if args.size < 32:
         parser.error(f'--size must be >= 32 (stage 4 is 1/32 of it), got {args.size}')
+    if not (math.isfinite(args.rotate_mb) and args.rotate_mb >= 0):
+        parser.error(f'--rotate-mb must be a finite number >= 0, got {args.rotate_mb}')
     return args
 
 
@@ -195,11 +226,15 @@ def main(argv=None) -> Dict[Tuple[str, str], List[float]]:
             labels.append(str(csrc))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    data = [(rotation(d, args.rotate_mb), blocks) for d, blocks in data]
     times = measure(namespaces, data, args.ops, args.rounds, args.warmup)
+    inputs = ('the same inputs every call' if args.rotate_mb <= 0 else
+              f'inputs rotated over {", ".join(str(len(c)) for c, _ in data)} copies per stage '
+              f'(at least {args.rotate_mb:g} MB each: read from memory)')
     print(f'fused KCLA CPU kernels, ms per ResNet-50 step (one call per block, summed over the '
           f'16 blocks), batch {args.batch} at {args.size}x{args.size}, {args.threads} threads, '
           f'torch {torch.__version__}, medians of {args.rounds} interleaved rounds after '
-          f'{args.warmup} warm-up')
+          f'{args.warmup} warm-up, {inputs}')
     print(allocator_description())
     print(table(times, namespaces, labels, tuple(args.ops)))
     return times
