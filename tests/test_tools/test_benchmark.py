@@ -1,5 +1,6 @@
 """The layer-attention benchmark: a --quick run end to end, and its measuring pieces."""
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -331,6 +332,34 @@ def test_ops_benchmark_rotates_inputs_when_asked(capsys):
     assert 'inputs rotated over' in out and 'copies per stage (at least 2 MB each' in out
     with pytest.raises(SystemExit):
         ops_tool.parse_args(['--rotate-mb', '-1'])
+
+
+def test_ops_benchmark_slope_ignores_one_slow_size():
+    slope = _ops_tool().theil_sen_slope
+    rows = (2, 3, 4, 5, 6, 7)
+    line = [10.0 + 3.0 * h for h in rows]
+    assert slope(rows, line) == pytest.approx(3.0)
+    # one size far off (a map whose addresses crowd a cache set): a two-point
+    # slope through it would be wrong by 20 or more, the median of all is not
+    assert slope(rows, line[:1] + [line[1] + 60.0] + line[2:]) == pytest.approx(3.0)
+    assert slope((0, 1), (1.0, -1.0)) == -2.0
+
+
+def test_ops_benchmark_per_element_in_l2_and_from_memory(capsys):
+    _needs_kernels()
+    ops_tool = _ops_tool()
+    torch.set_num_threads(2)
+    res = ops_tool.main(['--per-element', '--batch', '1', '--size', '32', '--rounds', '1',
+                         '--warmup', '0', '--ops', 'train_apply', '--rotate-mb', '1'])
+    assert torch.get_num_threads() == 2  # measured on one thread, then restored
+    ref = ops_tool.REFERENCE
+    assert set(res) == {(ns, op, k) for ns, op in (('kcla_mm', 'train_apply'), (ref, ref))
+                        for k in ('l2', 'memory')}
+    assert all(len(v) == 1 and math.isfinite(v[0]) for v in res.values())
+    assert all(res[(ns, op, 'memory')][0] > 0 for ns, op, _ in res)
+    out = capsys.readouterr().out
+    assert '1 thread' in out and 'inputs rotated over at least 1 MB' in out
+    assert '| train_apply | installed build |' in out and '| torch.add | reference |' in out
 
 
 @pytest.mark.slow  # compiles a second copy of the kernels (about a minute on 2 cores)

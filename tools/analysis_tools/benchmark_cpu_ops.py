@@ -23,6 +23,17 @@ with the same inputs and 8-11% out of cache). Passing the same folder twice
 to ``--against`` builds it twice: an A/A pair, whose spread is the noise
 floor of the comparison.
 
+``--per-element`` asks where an op's time goes instead, on one thread: per
+output element at stage 1's 256 channels, its time with all its maps in the
+core's L2 cache (the slope of the time against the height of small maps, so
+that the fixed cost of a call cancels) against its time on the stage-1 maps
+of the ResNet-50 read from memory, with ``torch.add`` of two maps as a
+reference that memory traffic bounds. A ratio near 1 says the op is bound by
+its own instructions; near the reference's, by memory. (On the Intel VM the
+four training kernels took 50-70% of their from-memory time on the same work
+in L2, ``train_backward`` 70%, ``eval_step`` 33-39%, ``torch.add`` 15%.
+The writes of maps stored non-temporally go to memory in both figures.)
+
 Restarts itself with the tuned CPU allocator settings unless
 ``--default-allocator`` (see :data:`kcla_mm.benchmark.TUNED_ALLOCATOR_ENV`).
 """
@@ -35,7 +46,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,9 +86,10 @@ def build_variant(csrc: Path, workdir: Path, index: int) -> str:
     return namespace
 
 
-def stage_inputs(channels: int, size: int, batch: int, seed: int) -> Dict[str, torch.Tensor]:
+def stage_inputs(channels: int, size: int, batch: int, seed: int,
+                 width: Optional[int] = None) -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shape = (batch, channels, size, size)
+    shape = (batch, channels, size, size if width is None else width)
     maps = {k: torch.rand(shape, generator=g).contiguous(memory_format=torch.channels_last)
             for k in ('x', 'prev', 'gy', 'gmean')}
     vec = {k: torch.rand(batch, channels, generator=g) for k in ('beta', 'a', 'alpha', 'kappa',
@@ -164,6 +176,101 @@ def measure(namespaces: Sequence[str], data, ops: Sequence[str], rounds: int,
     return times
 
 
+#: --per-element's in-L2 figure: the slope of time against map height over
+#: these heights, one sample of SLOPE_WIDTH pixels per row (one band of rows
+#: each on one thread, see bands_of in csrc/kcla_cpu.h; all seven maps of
+#: train_backward in 1.4 MB at 7 rows). The median of the slopes between
+#: every two heights (Theil-Sen), so that one slow size (a cache set that a
+#: map's addresses happen to crowd) does not decide it.
+SLOPE_ROWS = (2, 3, 4, 5, 6, 7)
+SLOPE_WIDTH = 28
+#: --per-element's reference row
+REFERENCE = 'torch.add'
+
+
+def _seconds_per_call(fn: Callable[[], object], batch_seconds: float = 0.005,
+                      batches: int = 5) -> float:
+    """Seconds per call of ``fn``: the fastest of ``batches`` batches of back-to-back calls,
+    each lasting about ``batch_seconds``."""
+    start = time.perf_counter()
+    fn()
+    reps = max(3, math.ceil(batch_seconds / max(time.perf_counter() - start, 1e-9)))
+    best = math.inf
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
+def per_element(namespaces: Sequence[str], ops: Sequence[str], batch: int, size: int,
+                rounds: int, warmup: int,
+                rotate_mb: float) -> Dict[Tuple[str, str, str], List[float]]:
+    """Picoseconds per output element of each op at stage 1's channels, one thread, per round.
+
+    ``{(namespace, op, 'l2'): [...], (namespace, op, 'memory'): [...]}``, and
+    the same for ``torch.add`` under ``(REFERENCE, REFERENCE, ...)``. In L2:
+    the slope of the time per call against the height of the maps
+    (``SLOPE_ROWS``, one sample of ``SLOPE_WIDTH`` pixels per row; see
+    :func:`theil_sen_slope`) over the elements of a row, so that the fixed
+    cost per call cancels. From memory: the stage-1 maps of the
+    ResNet-50 (``batch``, ``size / 4``), the inputs rotated over ``rotate_mb``
+    MB. One thread, so that both figures are one core's.
+    """
+    channels, stride, _ = STAGES[0]
+    small = [stage_inputs(channels, h, 1, 10 + i, width=SLOPE_WIDTH)
+             for i, h in enumerate(SLOPE_ROWS)]
+    row_elements = channels * SLOPE_WIDTH
+    big = rotation(stage_inputs(channels, size // stride, batch, 0), rotate_mb)
+    big_elements = batch * channels * (size // stride) ** 2
+    # torch.add of two maps: a reference bound by memory traffic (2 maps read, 1 written)
+    runs = [(ns, op) for ns in namespaces for op in ops] + [(REFERENCE, REFERENCE)]
+    out = {(ns, op, k): [] for ns, op in runs for k in ('l2', 'memory')}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _per_element_rounds(runs, out, small, row_elements, big, big_elements, rounds, warmup)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def theil_sen_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The median of the slopes between every two points (distinct ``xs``)."""
+    return statistics.median((ys[j] - ys[i]) / (xs[j] - xs[i])
+                             for i in range(len(xs)) for j in range(i + 1, len(xs)))
+
+
+def _per_element_rounds(runs, out, small, row_elements, big, big_elements, rounds,
+                        warmup) -> None:
+    for r in range(warmup + rounds):
+        shift = r % len(runs)
+        for ns, op in runs[shift:] + runs[:shift]:
+            f = (lambda d: torch.add(d['x'], d['prev'])) if ns == REFERENCE else calls(ns)[op]
+            seconds = [_seconds_per_call(lambda d=d: f(d)) for d in small]
+            start = time.perf_counter()
+            for d in big:
+                f(d)
+            memory = (time.perf_counter() - start) / len(big) / big_elements
+            if r >= warmup:
+                out[(ns, op, 'l2')].append(
+                    theil_sen_slope(SLOPE_ROWS, seconds) / row_elements * 1e12)
+                out[(ns, op, 'memory')].append(memory * 1e12)
+
+
+def per_element_table(res, namespaces: Sequence[str], labels: Sequence[str],
+                      ops: Sequence[str]) -> str:
+    lines = ['| op | build | in L2 (ps per element) | from memory (ps per element) | '
+             'in L2 / from memory |', '| --- | --- | ---: | ---: | ---: |']
+    rows = [(op, ns, label) for op in ops for ns, label in zip(namespaces, labels)]
+    for op, ns, label in rows + [(REFERENCE, REFERENCE, 'reference')]:
+        l2 = statistics.median(res[(ns, op, 'l2')])
+        mem = statistics.median(res[(ns, op, 'memory')])
+        lines.append(f'| {op} | {label} | {l2:.0f} | {mem:.0f} | {l2 / mem:.2f} |')
+    return '\n'.join(lines)
+
+
 def table(times, namespaces: Sequence[str], labels: Sequence[str], ops: Sequence[str]) -> str:
     lines = ['| op | ' + ' | '.join(labels) + ' |',
              '| --- |' + ' ---: |' * len(labels)]
@@ -193,6 +300,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help='keep copies of each stage\'s inputs, at least this many MB, and '
                         'give each call the next copy, so that it reads from memory, not cache '
                         '(e.g. 600; default 0: the same inputs every call)')
+    parser.add_argument('--per-element', action='store_true',
+                        help='per output element at stage 1\'s channels, on one thread: each '
+                        'op\'s time with its maps in L2 against its time reading them from '
+                        'memory (rotated over --rotate-mb, 600 if not given)')
     parser.add_argument('--default-allocator', action='store_true',
                         help='keep the allocators\' default settings (by default the tool '
                         're-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
@@ -226,6 +337,21 @@ def main(argv=None) -> Dict[Tuple[str, str], List[float]]:
             labels.append(str(csrc))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.per_element:
+        rotate_mb = args.rotate_mb or 600.0
+        res = per_element(namespaces, args.ops, args.batch, args.size, args.rounds,
+                          args.warmup, rotate_mb)
+        c, stride, _ = STAGES[0]
+        print(f'fused KCLA CPU kernels (and torch.add of two maps), ps per output element at '
+              f'{c} channels, 1 thread (--threads does not apply), torch {torch.__version__}, '
+              f'medians of {args.rounds} interleaved rounds after {args.warmup} warm-up; in L2: '
+              f'the time per added row of [1, {c}, H, {SLOPE_WIDTH}] maps, H = '
+              f'{SLOPE_ROWS[0]}..{SLOPE_ROWS[-1]} (Theil-Sen slope), over its elements; from '
+              f'memory: [{args.batch}, {c}, {args.size // stride}, {args.size // stride}] maps, '
+              f'inputs rotated over at least {rotate_mb:g} MB')
+        print(allocator_description())
+        print(per_element_table(res, namespaces, labels, tuple(args.ops)))
+        return res
     data = [(rotation(d, args.rotate_mb), blocks) for d, blocks in data]
     times = measure(namespaces, data, args.ops, args.rounds, args.warmup)
     inputs = ('the same inputs every call' if args.rotate_mb <= 0 else
