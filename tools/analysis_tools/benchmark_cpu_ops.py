@@ -149,6 +149,13 @@ def rotation(d: Dict[str, torch.Tensor], megabytes: float) -> List[Dict[str, tor
     return [d] + [{k: t.clone() for k, t in d.items()} for _ in range(copies - 1)]
 
 
+def rotated(items: Sequence, r: int) -> list:
+    """``items`` started at the ``r``-th (cyclically): round ``r``'s order, so that drift
+    affects every candidate alike."""
+    k = r % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
 def measure(namespaces: Sequence[str], data, ops: Sequence[str], rounds: int,
             warmup: int) -> Dict[Tuple[str, str], List[float]]:
     """ms per ResNet-50 step of each op, per round: ``{(namespace, op): [ms, ...]}``.
@@ -160,8 +167,7 @@ def measure(namespaces: Sequence[str], data, ops: Sequence[str], rounds: int,
     data = [(d if isinstance(d, list) else [d], blocks) for d, blocks in data]
     calls_made = 0
     for r in range(warmup + rounds):
-        order = list(namespaces[r % len(namespaces):]) + list(namespaces[:r % len(namespaces)])
-        for ns in order:
+        for ns in rotated(namespaces, r):
             fns = calls(ns)
             for op in ops:
                 total = 0.0
@@ -245,8 +251,7 @@ def theil_sen_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 def _per_element_rounds(runs, out, small, row_elements, big, big_elements, rounds,
                         warmup) -> None:
     for r in range(warmup + rounds):
-        shift = r % len(runs)
-        for ns, op in runs[shift:] + runs[:shift]:
+        for ns, op in rotated(runs, r):
             f = (lambda d: torch.add(d['x'], d['prev'])) if ns == REFERENCE else calls(ns)[op]
             seconds = [_seconds_per_call(lambda d=d: f(d)) for d in small]
             start = time.perf_counter()
@@ -318,7 +323,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> Dict[Tuple[str, str], List[float]]:
+def main(argv=None) -> Dict[tuple, List[float]]:
+    """ms per step per round, ``{(namespace, op): [...]}``; with ``--per-element`` the
+    ps per element of :func:`per_element`."""
     args = parse_args(argv)
     if argv is None and not args.default_allocator:
         restart_with_tuned_allocator()
