@@ -1,8 +1,10 @@
-"""The training step of KCLA's tail by the fused CPU kernels (pure torch + torch.ops).
+"""The training step of KCLA by the fused CPU kernels (pure torch + torch.ops).
 
-:class:`FusedTail` computes :meth:`kcla_mm.ops.KCLA.tail` with a training-mode
-(or eval-mode) BatchNorm as ``torch.ops.kcla_mm.train_*`` passes over the
-feature maps (``csrc/kcla_train_cpu.cpp``), with the ``[B, C]``-sized algebra
+:class:`FusedStep` computes :meth:`kcla_mm.ops.KCLA.forward` in training as one
+autograd node: the pooling and the per-head math (``head_forward``, float64
+inside), then :meth:`kcla_mm.ops.KCLA.tail` with a training-mode (or
+eval-mode) BatchNorm as ``torch.ops.kcla_mm.train_*`` passes over the feature
+maps (``csrc/kcla_train_cpu.cpp``), with the ``[B, C]``-sized algebra
 (BatchNorm, gate and drop-path mask folded) in float64 by the ``tail_*`` ops::
 
     mean = lerp(prev, x, beta)      v = Wv * mean       s = scale v
@@ -33,7 +35,7 @@ def _cpu_autocast() -> bool:
 
 
 def applicable(norm: nn.Module, x: Tensor, prev: Optional[Tensor], wv_weight: Tensor) -> bool:
-    """Whether :class:`FusedTail` computes this tail (the caller checks the kernels are built).
+    """Whether :class:`FusedStep` computes this step (the caller checks the kernels are built).
 
     CPU float32 channels-last maps, no autocast, a plain ``BatchNorm2d`` with
     affine parameters and running statistics, and more than one value per
@@ -61,51 +63,67 @@ def _momentum_factor(norm: nn.BatchNorm2d) -> float:
     return float(norm.momentum)
 
 
-class FusedTail(torch.autograd.Function):
-    """``(out, mean)`` of :meth:`KCLA.tail` in training, by the fused CPU kernels.
+class FusedStep(torch.autograd.Function):
+    """A whole KCLA training step by the fused CPU kernels: ``(out, mean, log z')``.
 
-    Inputs as :meth:`KCLA.tail`: ``layer, x, prev, beta, scale, keep, wv_weight,
-    weight, bias``; ``beta``, ``scale`` ``[B, C, 1, 1]``, ``keep`` ``[B, 1, 1, 1]``
-    or ``None``. The running statistics of ``layer.norm`` are updated as
-    ``nn.BatchNorm2d`` does, once.
+    Inputs: ``layer, x, prev, log_z, wq, wk, phi, keep, wv_weight, weight,
+    bias`` (``prev`` and ``log_z`` ``None`` for the first block; ``keep`` the
+    drop-path mask ``[B, 1, 1, 1]`` or ``None``). One autograd node for what
+    :meth:`KCLA.forward` computes in training: the global pool of ``x``, the
+    per-head math (``head_forward``: ``beta``, the gate times ``z / (z + eps)``
+    and ``log z'``, float64 inside) and the tail (the ``train_*`` passes and
+    the ``tail_*`` algebra). The backward pass runs the same ops in reverse and
+    adds the pool's gradient to ``gx`` in place. One node instead of three
+    (pool, per-head math, tail) per block: the autograd engine's and Python's
+    fixed cost per node is a large part of a small map's step. The running
+    statistics of ``layer.norm`` are updated as ``nn.BatchNorm2d`` does, once.
     """
 
     @staticmethod
-    def forward(ctx, layer: nn.Module, x: Tensor, prev: Optional[Tensor], beta: Optional[Tensor],
-                scale: Tensor, keep: Optional[Tensor], wv_weight: Tensor, weight: Tensor,
-                bias: Tensor):
+    def forward(ctx, layer: nn.Module, x: Tensor, prev: Optional[Tensor], log_z: Optional[Tensor],
+                wq: Tensor, wk: Tensor, phi: Tensor, keep: Optional[Tensor], wv_weight: Tensor,
+                weight: Tensor, bias: Tensor):
+        ctx.set_materialize_grads(False)
         ops = torch.ops.kcla_mm
         norm = layer.norm
         b, c, h, w = x.shape
         n = b * h * w
-        flat = None if beta is None else beta.reshape(b, c).contiguous()
+        # the per-head math of the pooled block output (global_pool's float32 mean)
+        p = x.mean((2, 3), dtype=torch.float32)
+        inv_tau, clamp, eps = (layer.inv_tau, -1.0 if layer.clamp is None else layer.clamp,
+                               layer.eps)
+        flat, sc, log_z_new = ops.head_forward(p, log_z, wq, wk, inv_tau, phi, clamp, eps)
+        if log_z is None:
+            flat = None
+        # the tail: mean = lerp(prev, x, beta); out = x + keep relu(BN(scale Wv(mean)))
         mean, sums = ops.train_stats(x, prev, flat, wv_weight)  # sums: [B, 2, C] float64
         if prev is None:
             mean = x
-        sc = scale.detach().reshape(b, c).contiguous()
         kv = None if keep is None else keep.reshape(b).float().contiguous()
-        weight = weight.detach()
+        weight, bias = weight.detach(), bias.detach()
         factor = _momentum_factor(norm) if norm.training else 0.0
         # BatchNorm (batch statistics of s = sc v, or the running ones), gate and
         # drop-path mask folded: keep relu(o) = relu(a v + shift); updates the
         # running statistics in training
-        a, shift, mu, invstd = ops.tail_coeffs(sums, sc, kv, weight, bias.detach(),
-                                               norm.running_mean, norm.running_var,
-                                               norm.training, factor, norm.eps, n)
+        a, shift, mu, invstd = ops.tail_coeffs(sums, sc, kv, weight, bias, norm.running_mean,
+                                               norm.running_var, norm.training, factor,
+                                               norm.eps, n)
         ctx.layer, ctx.bn_training, ctx.n = layer, norm.training, n
+        ctx.consts = (inv_tau, clamp, eps)
         ctx.vectors = (sums, sc, weight, mu, invstd, a, shift, flat, kv)
-        ctx.save_for_backward(x, prev, mean, wv_weight)
+        ctx.save_for_backward(x, prev, mean, wv_weight, p, log_z, wq, wk, phi)
         out = ops.train_apply(x, mean, wv_weight, a, shift)
-        return out, mean
+        return out, mean, log_z_new
 
     @staticmethod
     @once_differentiable  # the kernels are not differentiable: double backward raises
-    def backward(ctx, gy: Tensor, gmean: Optional[Tensor]):
+    def backward(ctx, gy: Optional[Tensor], gmean: Optional[Tensor], glog_z: Optional[Tensor]):
         ops = torch.ops.kcla_mm
-        x, prev, mean, wv_weight = ctx.saved_tensors
+        x, prev, mean, wv_weight, p, log_z, wq, wk, phi = ctx.saved_tensors
         sums, sc, weight, mu, invstd, a, shift, flat, kv = ctx.vectors
-        b, c = x.shape[:2]
-        gy = gy.contiguous(memory_format=CL)
+        b, c, h, w = x.shape
+        # (no gradient for out: the kernels take a zero map)
+        gy = torch.zeros_like(x) if gy is None else gy.contiguous(memory_format=CL)
         if gmean is not None:
             gmean = gmean.contiguous(memory_format=CL)
         # gv = alpha g + kappa + lam v (BatchNorm's batch statistics: sums of the
@@ -116,48 +134,21 @@ class FusedTail(torch.autograd.Function):
         gx, gprev, gbeta, gwv, r = ops.train_backward(gy, gmean, x, prev, mean, flat, wv_weight,
                                                       a, shift, kv, alpha, kappa, lam)
         gweight, gbias, gscale = ops.tail_param_grads(r, sums, sc, weight, mu, invstd, qr)
-        dt = x.dtype
-        return (None, gx, gprev if prev is not None else None,
-                None if prev is None else gbeta.to(dt).view(b, c, 1, 1),
-                gscale.view(b, c, 1, 1), None, gwv.to(dt).view_as(wv_weight), gweight, gbias)
-
-
-class HeadMath(torch.autograd.Function):
-    """The per-head math of a KCLA step by ``torch.ops.kcla_mm.head_forward``.
-
-    From the pooled block output ``p`` ``[B, C]`` and the incoming ``log z``
-    ``[B, G]`` (``None`` for the first block): ``(beta, scale, log z')``, as
-    :meth:`KCLA.forward` computes them (``beta`` and ``scale`` per channel,
-    ``[B, C]``; ``beta`` is ``None`` without a state). Computed in float64 in
-    one op each way instead of about 25 small autograd ops; gradients for
-    ``p``, ``log z``, ``Wq``, ``Wk`` and ``Phi``.
-    """
-
-    @staticmethod
-    def forward(ctx, layer: nn.Module, p: Tensor, log_z: Optional[Tensor], wq: Tensor,
-                wk: Tensor, phi: Tensor):
-        ctx.consts = (layer.inv_tau, -1.0 if layer.clamp is None else layer.clamp, layer.eps)
-        ctx.save_for_backward(p, log_z, wq, wk, phi)
+        # the per-head math's backward (gbeta rounded to float32 first, as the
+        # separate steps handed it on), then the pool's: gp / (H W) at every pixel
         inv_tau, clamp, eps = ctx.consts
-        beta, scale, log_z_new = torch.ops.kcla_mm.head_forward(p, log_z, wq, wk, inv_tau, phi,
-                                                                clamp, eps)
-        return (None if log_z is None else beta), scale, log_z_new
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, gbeta: Optional[Tensor], gscale: Optional[Tensor],
-                 glog_z: Optional[Tensor]):
-        p, log_z, wq, wk, phi = ctx.saved_tensors
-        inv_tau, clamp, eps = ctx.consts
-        gp, glz, gwq, gwk, gphi = torch.ops.kcla_mm.head_backward(
+        gp, glz, gwq, gwk, gphi = ops.head_backward(
             p, log_z, wq, wk, inv_tau, phi, clamp, eps,
-            *(None if g is None else g.float().contiguous() for g in (gbeta, gscale, glog_z)))
-        return (None, gp, None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
-                gphi.view_as(phi))
+            None if prev is None else gbeta.to(x.dtype), gscale.float().contiguous(),
+            None if glog_z is None else glog_z.float().contiguous())
+        gx.add_((gp / (h * w)).to(x.dtype)[:, :, None, None])
+        return (None, gx, gprev if prev is not None else None,
+                None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
+                gphi.view_as(phi), None, gwv.to(x.dtype).view_as(wv_weight), gweight, gbias)
 
 
 def recompute_output(ctx) -> Tensor:
-    """The forward output of a :class:`FusedTail` node, recomputed (one pass)."""
-    x, _, mean, wv_weight = ctx.saved_tensors
+    """The forward output of a :class:`FusedStep` node, recomputed (one pass)."""
+    x, _, mean, wv_weight = ctx.saved_tensors[:4]
     a, shift = ctx.vectors[5:7]
     return torch.ops.kcla_mm.train_apply(x, mean, wv_weight, a, shift)

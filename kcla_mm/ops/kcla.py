@@ -358,14 +358,11 @@ class KCLA(nn.Module):
 
     def _fused_train(self, x: Tensor, state: Optional[KCLAState]) -> Tuple[Tensor, KCLAState]:
         """:meth:`forward` in training by the fused CPU kernels (same numerics)."""
-        b, c = x.shape[:2]
-        beta, scale, log_z = fused_tail_cpu.HeadMath.apply(
-            self, global_pool(x), None if state is None else state.log_z, self.wq.weight,
-            self.wk.weight, self.phi.weight)
-        out, mean = fused_tail_cpu.FusedTail.apply(
+        out, mean, log_z = fused_tail_cpu.FusedStep.apply(
             self, x, None if state is None else state.mean,
-            None if beta is None else beta.view(b, c, 1, 1), scale.view(b, c, 1, 1),
-            self.drop_path.keep_mask(x), self.wv.weight, self.norm.weight, self.norm.bias)
+            None if state is None else state.log_z, self.wq.weight, self.wk.weight,
+            self.phi.weight, self.drop_path.keep_mask(x), self.wv.weight, self.norm.weight,
+            self.norm.bias)
         return out, KCLAState(mean, log_z)
 
     def _fusable(self, x: Tensor, state: Optional[KCLAState], adapt: bool = False) -> bool:
@@ -540,7 +537,7 @@ class _SavedOutput:
 def _unpack(saved):
     if isinstance(saved, _SavedOutput):
         ctx = saved.node
-        if isinstance(ctx, fused_tail_cpu.FusedTail._backward_cls):
+        if isinstance(ctx, fused_tail_cpu.FusedStep._backward_cls):
             # one recomputation for all saved copies (a stage's first block
             # saves its input for conv1 and the downsample): kept from the
             # first unpacking to the last
@@ -662,7 +659,7 @@ def saved_output_hooks(y: Tensor):
         return contextlib.nullcontext()
     node = y.grad_fn
     if not isinstance(node, (_RecomputedTail._backward_cls,
-                             fused_tail_cpu.FusedTail._backward_cls)):
+                             fused_tail_cpu.FusedStep._backward_cls)):
         return contextlib.nullcontext()
     top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
     if top is not None and top(False) is not None:

@@ -29,13 +29,13 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
 def fused_calls(monkeypatch):
     """Counts the tails the fused kernels compute in training."""
     calls = []
-    orig = fused_tail_cpu.FusedTail.apply
+    orig = fused_tail_cpu.FusedStep.apply
 
     def spy(*args):
         calls.append(args[0])
         return orig(*args)
 
-    monkeypatch.setattr(fused_tail_cpu.FusedTail, 'apply', spy)
+    monkeypatch.setattr(fused_tail_cpu.FusedStep, 'apply', spy)
     return calls
 
 

@@ -4,7 +4,7 @@
 // BatchNorm, batch statistics and all:
 //   mean = lerp(prev, x, beta)           v = Wv * mean  (depthwise 3x3)
 //   s = scale v   o = BN(s)   out = x + keep relu(o)
-// The Python side (_FusedTail) does the [B, C]-sized algebra in double
+// The Python side (fused_tail_cpu.FusedStep) does the [B, C]-sized algebra in double
 // precision; these four ops are the passes over the feature maps:
 //   train_stats       mean, and per (sample, channel) sum v and sum v^2
 //   train_apply       out = x + relu(a v + shift)   (a, shift per sample and
@@ -668,7 +668,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_back
                          to_float(gphi, {G, G}));
 }
 
-// -- BatchNorm and the gate folded: the [B, C] algebra of FusedTail (float64) --
+// -- BatchNorm and the gate folded: the [B, C] algebra of FusedStep (float64) --
 // s = sc v (sc: the gate, per sample and channel); o = gamma (s - mu) invstd + b.
 // Training: mu and var of s from the per-sample sums of v and v^2 of
 // train_stats (count = B H W values per channel); else the running statistics.
