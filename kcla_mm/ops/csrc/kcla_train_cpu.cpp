@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "kcla_cpu.h"
@@ -62,12 +63,21 @@ struct Bands {
       }
     });
   }
-  // per-task partial sums [tasks, n] -> per-sample sums [B, n] (a new tensor)
+  // per-task partial sums [tasks, n] -> per-sample sums [B, len] of the
+  // columns lo .. lo + len - 1 into out (a new tensor's data), each the
+  // sample's tasks in order (the same values whatever the thread count)
+  void per_sample_sums(const double* partial, int64_t n, int64_t lo, int64_t len,
+                       double* out) const {
+    std::fill(out, out + (tasks / per_sample) * len, 0.0);
+    for (int64_t t = 0; t < tasks; ++t) {
+      const double* src = partial + t * n + lo;
+      double* o = out + sample(t) * len;
+      for (int64_t i = 0; i < len; ++i) o[i] += src[i];
+    }
+  }
   at::Tensor per_sample_sums(const std::vector<double>& partial, int64_t B, int64_t n) const {
-    at::Tensor out = at::zeros({B, n}, at::kDouble);
-    double* o = out.data_ptr<double>();
-    for (int64_t t = 0; t < tasks; ++t)
-      for (int64_t i = 0; i < n; ++i) o[sample(t) * n + i] += partial[t * n + i];
+    at::Tensor out = at::empty({B, n}, at::kDouble);
+    per_sample_sums(partial.data(), n, 0, n, out.data_ptr<double>());
     return out;
   }
 };
@@ -347,7 +357,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
   // per task: [2C] grad stats, [C] gbeta, [9C] gwv (tap-major)
   const int64_t n_red = 12 * C;  // (red, the float row sums, holds gw as taps() lays out)
   const int64_t n_red_f = 3 * C + ((C + VL - 1) / VL) * 9 * VL;
-  std::vector<double> partial(bands.tasks * n_red, 0.0);
+  // (not zeroed: a task's first flush assigns; at C = 2048 zeroing it and the
+  // per-sample sums cost about as much as the work of a 7x7 map)
+  std::unique_ptr<double[]> partial(new double[bands.tasks * n_red]);
   bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
     // gv rows h-1, h, h+1 (a ring with the staged pixel stride P); the mean
     // rows the convolution reads, staged; row sums (gw in the layout of taps())
@@ -458,11 +470,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         });
       }
     };
-    double* acc = partial.data() + t * n_red;
+    double* acc = partial.get() + t * n_red;
+    bool first = true;
     auto flush = [&]() {
-      for (int64_t i = 0; i < 3 * C; ++i) acc[i] += red[i];
-      for (int64_t i = 0; i < 9; ++i)  // gw: from the layout of taps() to tap-major
-        for (int64_t c = 0; c < C; ++c) acc[(3 + i) * C + c] += gw[tap_index(c, i)];
+      if (first) {
+        for (int64_t i = 0; i < 3 * C; ++i) acc[i] = red[i];
+        for (int64_t i = 0; i < 9; ++i)  // gw: from the layout of taps() to tap-major
+          for (int64_t c = 0; c < C; ++c) acc[(3 + i) * C + c] = gw[tap_index(c, i)];
+        first = false;
+      } else {
+        for (int64_t i = 0; i < 3 * C; ++i) acc[i] += red[i];
+        for (int64_t i = 0; i < 9; ++i)
+          for (int64_t c = 0; c < C; ++c) acc[(3 + i) * C + c] += gw[tap_index(c, i)];
+      }
       std::fill(red.begin(), red.end(), 0.f);
     };
     if (h0 > 0) gv_row(h0 - 1, false);
@@ -476,10 +496,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     }
     fence_stores();
   });
-  at::Tensor sums = bands.per_sample_sums(partial, B, n_red);  // [B, 12 C]
-  at::Tensor stats = sums.narrow(1, 0, 2 * C).reshape({B, 2, C}).contiguous();
-  at::Tensor gbeta = sums.narrow(1, 2 * C, C).contiguous();
-  at::Tensor gwv = sums.narrow(1, 3 * C, 9 * C).sum(0).view({9, C}).t().contiguous();
+  // the partials [tasks, 12 C] straight into the outputs (no [B, 12 C] tensor
+  // and its slices): per sample its tasks in order, then over the batch
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor stats = at::empty({B, 2, C}, f64), gbeta = at::empty({B, C}, f64);
+  bands.per_sample_sums(partial.get(), n_red, 0, 2 * C, stats.data_ptr<double>());
+  bands.per_sample_sums(partial.get(), n_red, 2 * C, C, gbeta.data_ptr<double>());
+  std::vector<double> gw_sum(9 * C, 0.0), gw_b(9 * C);  // tap-major [9, C]
+  for (int64_t b = 0; b < B; ++b) {
+    std::fill(gw_b.begin(), gw_b.end(), 0.0);
+    for (int64_t j = 0; j < bands.per_sample; ++j) {
+      const double* src = partial.get() + (b * bands.per_sample + j) * n_red + 3 * C;
+      for (int64_t i = 0; i < 9 * C; ++i) gw_b[i] += src[i];
+    }
+    for (int64_t i = 0; i < 9 * C; ++i) gw_sum[i] += gw_b[i];
+  }
+  at::Tensor gwv = at::empty({C, 9}, f64);
+  double* gwp = gwv.data_ptr<double>();
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < 9; ++i) gwp[c * 9 + i] = gw_sum[i * C + c];
   return std::make_tuple(gx, gprev, gbeta, gwv, stats);
 }
 
