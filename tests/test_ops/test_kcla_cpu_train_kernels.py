@@ -156,6 +156,25 @@ def test_backbone_training_step_as_accurate_as_the_recomputed_path(monkeypatch, 
         assert err_fused[k] < 1e-2, (k, err_fused[k])
 
 
+def test_one_autograd_node_per_step(fused_calls):
+    # the pooling, the per-head math and the tail are one node: x, the state
+    # and the parameters feed it directly (each node costs the autograd engine
+    # and Python a fixed time per block, which dominates on small maps)
+    layer = make(32, 16)
+    x = cl(torch.rand(2, 32, 6, 6)).requires_grad_()
+    state = KCLAState(cl(torch.randn(2, 32, 6, 6)).requires_grad_(),
+                      torch.randn(2, 2).requires_grad_())
+    out, new = layer(x, state)
+    assert len(fused_calls) == 1
+    node = out.grad_fn
+    assert isinstance(node, fused_tail_cpu.FusedStep._backward_cls)
+    assert new.mean.grad_fn is node and new.log_z.grad_fn is node
+    inputs = {id(f.variable) for f, _ in node.next_functions if hasattr(f, 'variable')}
+    wanted = [x, state.mean, state.log_z, layer.wq.weight, layer.wk.weight, layer.phi.weight,
+              layer.wv.weight, layer.norm.weight, layer.norm.bias]
+    assert {id(t) for t in wanted} == inputs
+
+
 @pytest.mark.parametrize('case', ['float64', 'nchw', 'autocast', 'groupnorm', 'no_grad',
                                   'disabled', 'one_value'])
 def test_not_used_where_it_does_not_apply(case, monkeypatch, fused_calls):
