@@ -139,9 +139,9 @@ class FusedStep(torch.autograd.Function):
         inv_tau, clamp, eps = ctx.consts
         gp, glz, gwq, gwk, gphi = ops.head_backward(
             p, log_z, wq, wk, inv_tau, phi, clamp, eps,
-            None if prev is None else gbeta.to(x.dtype), gscale.float().contiguous(),
+            None if prev is None else gbeta.to(x.dtype), gscale,
             None if glog_z is None else glog_z.float().contiguous())
-        gx.add_((gp / (h * w)).to(x.dtype)[:, :, None, None])
+        gx.add_(gp.div_(h * w).view(b, c, 1, 1))  # (gp: float32, a new tensor)
         return (None, gx, gprev if prev is not None else None,
                 None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
                 gphi.view_as(phi), None, gwv.to(x.dtype).view_as(wv_weight), gweight, gbias)
