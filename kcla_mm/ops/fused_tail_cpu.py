@@ -134,8 +134,8 @@ class FusedStep(torch.autograd.Function):
         gx, gprev, gbeta, gwv, r = ops.train_backward(gy, gmean, x, prev, mean, flat, wv_weight,
                                                       a, shift, kv, alpha, kappa, lam)
         gweight, gbias, gscale = ops.tail_param_grads(r, sums, sc, weight, mu, invstd, qr)
-        # the per-head math's backward (gbeta rounded to float32 first, as the
-        # separate steps handed it on), then the pool's: gp / (H W) at every pixel
+        # the per-head math's backward (gbeta in float32, as head_backward takes
+        # it), then the pool's: gp / (H W) added at every pixel
         inv_tau, clamp, eps = ctx.consts
         gp, glz, gwq, gwk, gphi = ops.head_backward(
             p, log_z, wq, wk, inv_tau, phi, clamp, eps,

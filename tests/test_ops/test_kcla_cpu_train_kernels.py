@@ -235,8 +235,10 @@ def test_state_update_is_torch_lerp_bit_for_bit(c):
 
 # 128, 256: rows staged with a padded pixel stride; 256 and 520: rows of several
 # spans of the convolution (span_pixels in csrc/kcla_cpu.h: 16 and 7 pixels),
-# the last one short, and two bands of rows per sample
-@pytest.mark.parametrize('c,h,w', [(24, 5, 6), (128, 5, 6), (256, 9, 20), (520, 9, 17)])
+# the last one short, and two bands of rows per sample; 21 rows: bands of more
+# than 8 rows, whose sums go into the partials more than once
+@pytest.mark.parametrize('c,h,w', [(24, 5, 6), (128, 5, 6), (256, 9, 20), (520, 9, 17),
+                                   (32, 21, 3)])
 def test_kernels_equal_their_definitions(c, h, w):
     # each op against its formula, written out in torch (float64)
     ops = torch.ops.kcla_mm

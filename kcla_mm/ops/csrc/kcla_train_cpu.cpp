@@ -473,16 +473,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     double* acc = partial.get() + t * n_red;
     bool first = true;
     auto flush = [&]() {
-      if (first) {
-        for (int64_t i = 0; i < 3 * C; ++i) acc[i] = red[i];
+      auto move = [&](auto put) {  // the float sums into the partials
+        for (int64_t i = 0; i < 3 * C; ++i) put(acc[i], red[i]);
         for (int64_t i = 0; i < 9; ++i)  // gw: from the layout of taps() to tap-major
-          for (int64_t c = 0; c < C; ++c) acc[(3 + i) * C + c] = gw[tap_index(c, i)];
-        first = false;
+          for (int64_t c = 0; c < C; ++c) put(acc[(3 + i) * C + c], gw[tap_index(c, i)]);
+      };
+      if (first) {
+        move([](double& d, float v) { d = v; });
       } else {
-        for (int64_t i = 0; i < 3 * C; ++i) acc[i] += red[i];
-        for (int64_t i = 0; i < 9; ++i)
-          for (int64_t c = 0; c < C; ++c) acc[(3 + i) * C + c] += gw[tap_index(c, i)];
+        move([](double& d, float v) { d += v; });
       }
+      first = false;
       std::fill(red.begin(), red.end(), 0.f);
     };
     if (h0 > 0) gv_row(h0 - 1, false);
