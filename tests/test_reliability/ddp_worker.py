@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import kcla_mm  # noqa: F401
 from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg
+from kcla_mm.utils.dist import shutdown_distributed
 
 HOSTS = {'mmdet': KCLAResNet, 'mmseg': KCLAResNetSeg}
 METHODS = ('KCLA', 'FullLayerAttention', 'MRLALight')
@@ -92,7 +93,7 @@ def main(out_file: str) -> None:
         with open(out_file, 'w') as f:
             json.dump(dict(results=results, world_size=dist.get_world_size(),
                            control_error=control_error), f, indent=1)
-    dist.destroy_process_group()
+    shutdown_distributed()  # destroy and let the gloo workers finish before exit
 
 
 if __name__ == '__main__':
