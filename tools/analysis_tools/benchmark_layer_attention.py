@@ -198,8 +198,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
             for method in args.methods:
                 model = build_backbone(family, depth, method, tiny=args.quick,
                                        channels_last=channels_last).to(device)
-                if args.channels_last:
-                    model = model.to(memory_format=torch.channels_last)
+                # (a channels-last backbone keeps its convolution weights
+                # channels-last itself: the model is measured as configs build it)
                 c = Candidate(family, depth, method)
                 candidates.append(c)
                 models[c] = model
