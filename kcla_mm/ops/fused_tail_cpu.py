@@ -144,7 +144,18 @@ class FusedStep(torch.autograd.Function):
         gx.add_(gp.div_(h * w).view(b, c, 1, 1))  # (gp: float32, a new tensor)
         return (None, gx, gprev if prev is not None else None,
                 None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
-                gphi.view_as(phi), None, gwv.to(x.dtype).view_as(wv_weight), gweight, gbias)
+                gphi.view_as(phi), None, _param_grad(gwv.to(x.dtype), wv_weight), gweight, gbias)
+
+
+def _param_grad(grad: Tensor, param: Tensor) -> Tensor:
+    """``grad`` in ``param``'s shape and strides.
+
+    A channels-last ``[C, 1, 3, 3]`` weight has the memory order of an NCHW
+    one but other strides on its size-1 dimension; autograd accepts either,
+    DDP warns when a gradient's strides differ from its parameter's.
+    """
+    grad = grad.view(param.shape)
+    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
 
 
 def recompute_output(ctx) -> Tensor:

@@ -130,6 +130,24 @@ def test_every_trainable_parameter_gets_a_gradient(method):
 
 
 @pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+@pytest.mark.parametrize('method', list(METHODS))
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])  # fused CPU kernels, autograd
+def test_gradients_have_their_parameters_strides(cls, method, dtype):
+    # DDP copies each gradient into a bucket view with its parameter's strides
+    # and warns ("Grad strides do not match bucket view strides") where they
+    # differ; autograd lets a size-1 dimension's stride differ, so nothing
+    # else catches a channels-last gradient of an NCHW 1x1 weight (or the
+    # reverse), or a [1, 1, k] slice of a concatenated weight's gradient
+    model = tiny(cls, depth=18, method=method, norm_eval=False).to(dtype).train()
+    convs = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    sum(o.square().mean() for o in model(torch.rand(2, 3, 32, 32, dtype=dtype))).backward()
+    bad = {n: (p.grad.stride(), p.stride()) for n, p in model.named_parameters()
+           if p.grad is not None and p.grad.stride() != p.stride()}
+    assert bad == {}
+
+
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
 def test_dilated_stride_one_stages(cls):
     # dilated segmentation backbone: stages 3 and 4 keep the resolution
     model = tiny(cls, depth=50, strides=(1, 2, 1, 1), dilations=(1, 1, 2, 4)).eval()
