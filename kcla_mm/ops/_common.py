@@ -77,12 +77,12 @@ def eca(p: Tensor, *convs: nn.Conv1d) -> Tuple[Tensor, ...]:
     k = convs[0].weight.shape[-1]
     pad = (k - 1) // 2
     windows = F.pad(p, (pad, pad)).unfold(1, k, 1)  # [B, C, k]
-    # [k, n] from n [1, 1, k] weights: few ops, each costs more than its
-    # arithmetic here. Each weight's gradient is then a strided column, which
-    # autograd copies to the weight's own layout; a [1, 1, k] slice (of a
-    # concatenation along dim 1) would count as contiguous and keep strides
-    # that differ from the weight's, and DDP warns about those.
-    weight = torch.cat([c.weight.view(k, 1) for c in convs], 1).to(p.dtype)
+    # [n, k] -> [k, n]: few ops, each costs more than its arithmetic here.
+    # Concatenated along dim 0, each weight's gradient is a whole row, in the
+    # weight's own strides; a [1, 1, k] slice of a concatenation along dim 1
+    # has other strides (autograd accepts them: only a size-1 dim differs),
+    # and DDP warns about those.
+    weight = torch.cat([c.weight.view(1, k) for c in convs]).t().to(p.dtype)
     out = windows @ weight  # [B, C, n]
     return tuple(out.unbind(-1))
 
