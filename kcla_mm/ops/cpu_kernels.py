@@ -8,8 +8,9 @@
 - ``csrc/kcla_train_cpu.cpp`` does the training step: the per-head math
   (``head_forward``/``head_backward``) and the feature-map part with
   BatchNorm's batch statistics in four passes (``train_stats``,
-  ``train_apply``, ``train_grad_stats``, ``train_backward``); the autograd
-  side is :mod:`kcla_mm.ops.fused_tail_cpu`.
+  ``train_apply``, ``train_grad_stats``, ``train_backward``), and
+  ``step_forward``/``step_backward``, which chain them for one block; the
+  autograd side is :mod:`kcla_mm.ops.fused_tail_cpu`.
 
 Both are compiled with :func:`torch.utils.cpp_extension.load` (needs a C++
 compiler and ``ninja``, which ``tools/setup_env.sh`` installs) into torch's
@@ -38,7 +39,8 @@ _SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
 _HEADERS = (_CSRC / 'kcla_cpu.h', )
 #: the ops the build registers under ``torch.ops.kcla_mm``
 OPS = ('eval_step', 'train_stats', 'train_apply', 'train_grad_stats', 'train_backward',
-       'tail_coeffs', 'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward')
+       'tail_coeffs', 'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward',
+       'step_forward', 'step_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

@@ -18,6 +18,10 @@ statistics only) and one pass that writes ``gx`` and ``gprev``. Saved for
 backward: ``x``, ``prev`` and ``mean`` (which the neighbouring blocks keep
 anyway) and ``[B, C]`` vectors; the output is recomputed by one pass where a
 later block saved it (see :func:`kcla_mm.ops.kcla.saved_output_hooks`).
+
+Each direction is one call from Python: ``step_forward`` and ``step_backward``
+chain those ops in C++ (a test checks them against the ops called one by one,
+bit for bit), which saves the dispatcher and the small ATen ops between them.
 """
 from typing import Optional
 
@@ -84,67 +88,53 @@ class FusedStep(torch.autograd.Function):
                 wq: Tensor, wk: Tensor, phi: Tensor, keep: Optional[Tensor], wv_weight: Tensor,
                 weight: Tensor, bias: Tensor):
         ctx.set_materialize_grads(False)
-        ops = torch.ops.kcla_mm
         norm = layer.norm
         b, c, h, w = x.shape
-        n = b * h * w
-        # the per-head math of the pooled block output (global_pool's float32 mean)
-        p = x.mean((2, 3), dtype=torch.float32)
         inv_tau, clamp, eps = (layer.inv_tau, -1.0 if layer.clamp is None else layer.clamp,
                                layer.eps)
-        flat, sc, log_z_new = ops.head_forward(p, log_z, wq, wk, inv_tau, phi, clamp, eps)
-        if log_z is None:
-            flat = None
-        # the tail: mean = lerp(prev, x, beta); out = x + keep relu(BN(scale Wv(mean)))
-        mean, sums = ops.train_stats(x, prev, flat, wv_weight)  # sums: [B, 2, C] float64
-        if prev is None:
-            mean = x
         kv = None if keep is None else keep.reshape(b).float().contiguous()
-        weight, bias = weight.detach(), bias.detach()
         factor = _momentum_factor(norm) if norm.training else 0.0
-        # BatchNorm (batch statistics of s = sc v, or the running ones), gate and
-        # drop-path mask folded: keep relu(o) = relu(a v + shift); updates the
-        # running statistics in training
-        a, shift, mu, invstd = ops.tail_coeffs(sums, sc, kv, weight, bias, norm.running_mean,
-                                               norm.running_var, norm.training, factor,
-                                               norm.eps, n)
-        ctx.layer, ctx.bn_training, ctx.n = layer, norm.training, n
+        weight, bias = weight.detach(), bias.detach()
+        # the pool and the per-head math (head_forward: beta, the gate times
+        # z / (z + eps), log z'), then the tail: mean = lerp(prev, x, beta) and
+        # out = x + keep relu(BN(scale Wv(mean))), BatchNorm (batch statistics
+        # of s = scale v, or the running ones), gate and drop-path mask folded
+        # into keep relu(o) = relu(a v + shift) (tail_coeffs, which updates the
+        # running statistics in training): one call (step_forward)
+        out, mean, log_z_new, p, flat, sc, sums, a, shift, mu, invstd = (
+            torch.ops.kcla_mm.step_forward(x, prev, log_z, wq, wk, inv_tau, phi, clamp, eps,
+                                           wv_weight, kv, weight, bias, norm.running_mean,
+                                           norm.running_var, norm.training, factor, norm.eps))
+        if prev is None:
+            mean, flat = x, None
+        ctx.layer, ctx.bn_training = layer, norm.training
         ctx.consts = (inv_tau, clamp, eps)
         ctx.vectors = (sums, sc, weight, mu, invstd, a, shift, flat, kv)
         ctx.save_for_backward(x, prev, mean, wv_weight, p, log_z, wq, wk, phi)
-        out = ops.train_apply(x, mean, wv_weight, a, shift)
         return out, mean, log_z_new
 
     @staticmethod
     @once_differentiable  # the kernels are not differentiable: double backward raises
     def backward(ctx, gy: Optional[Tensor], gmean: Optional[Tensor], glog_z: Optional[Tensor]):
-        ops = torch.ops.kcla_mm
         x, prev, mean, wv_weight, p, log_z, wq, wk, phi = ctx.saved_tensors
         sums, sc, weight, mu, invstd, a, shift, flat, kv = ctx.vectors
-        b, c, h, w = x.shape
         # (no gradient for out: the kernels take a zero map)
         gy = torch.zeros_like(x) if gy is None else gy.contiguous(memory_format=CL)
         if gmean is not None:
             gmean = gmean.contiguous(memory_format=CL)
-        # gv = alpha g + kappa + lam v (BatchNorm's batch statistics: sums of the
-        # gradient over the batch first)
-        stats = (ops.train_grad_stats(gy, mean, wv_weight, a, shift, kv) if ctx.bn_training
-                 else None)
-        alpha, kappa, lam, qr = ops.tail_grad_coeffs(stats, sc, weight, mu, invstd, ctx.n)
-        gx, gprev, gbeta, gwv, r = ops.train_backward(gy, gmean, x, prev, mean, flat, wv_weight,
-                                                      a, shift, kv, alpha, kappa, lam)
-        gweight, gbias, gscale = ops.tail_param_grads(r, sums, sc, weight, mu, invstd, qr)
-        # the per-head math's backward (gbeta in float32, as head_backward takes
-        # it), then the pool's: gp / (H W) added at every pixel
+        if glog_z is not None:
+            glog_z = glog_z.float().contiguous()
+        # BatchNorm's backward (its batch statistics: sums of the gradient over
+        # the batch first) and the gate folded into gv = alpha g + kappa + lam v;
+        # gx, gprev and the parameters' gradients; the per-head math's backward,
+        # then the pool's (gp / (H W) added to gx at every pixel): one call
         inv_tau, clamp, eps = ctx.consts
-        gp, glz, gwq, gwk, gphi = ops.head_backward(
-            p, log_z, wq, wk, inv_tau, phi, clamp, eps,
-            None if prev is None else gbeta.to(x.dtype), gscale,
-            None if glog_z is None else glog_z.float().contiguous())
-        gx.add_(gp.div_(h * w).view(b, c, 1, 1))  # (gp: float32, a new tensor)
+        gx, gprev, glz, gwq, gwk, gphi, gwv, gweight, gbias = torch.ops.kcla_mm.step_backward(
+            gy, gmean, glog_z, x, prev, mean, p, log_z, wq, wk, inv_tau, phi, clamp, eps,
+            wv_weight, kv, flat, sc, sums, weight, mu, invstd, a, shift, ctx.bn_training)
         return (None, gx, gprev if prev is not None else None,
                 None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
-                gphi.view_as(phi), None, _param_grad(gwv.to(x.dtype), wv_weight), gweight, gbias)
+                gphi.view_as(phi), None, _param_grad(gwv, wv_weight), gweight, gbias)
 
 
 def _param_grad(grad: Tensor, param: Tensor) -> Tensor:

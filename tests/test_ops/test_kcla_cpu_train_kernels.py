@@ -377,3 +377,60 @@ def test_relu_masks_of_the_passes_agree_bit_for_bit(c, w):
     *_, back_stats = ops.train_backward(gy, None, x, None, mean, None, wv, a, shift, None, ones,
                                         ones, ones)
     assert torch.equal(back_stats[:, 0], on)
+
+
+@pytest.mark.parametrize('with_state', [False, True])
+@pytest.mark.parametrize('bn_train,with_keep', [(True, False), (True, True), (False, True)])
+def test_step_ops_equal_the_ops_they_chain(with_state, bn_train, with_keep):
+    # step_forward / step_backward (one call per block and direction) against
+    # the ops they chain, called one by one as FusedStep did: bit for bit
+    ops = torch.ops.kcla_mm
+    g = torch.Generator().manual_seed(0)
+    b, c, h, w, heads = 3, 128, 5, 7, 4
+    x, prev, gy, gmean = (cl(torch.randn(b, c, h, w, generator=g)) for _ in range(4))
+    log_z, glog_z = torch.randn(b, heads, generator=g), torch.randn(b, heads, generator=g)
+    wq, wk = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    phi = torch.randn(heads, heads, generator=g)
+    inv_tau = torch.linspace(0.7, 1 / 0.7, heads, dtype=torch.float64)
+    wv = torch.randn(c, 1, 3, 3, generator=g)
+    weight, bias = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
+    stats0 = (torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5)
+    keep = torch.tensor([0.0, 2.0, 2.0]) if with_keep else None
+    if not with_state:
+        prev = log_z = gmean = glog_z = None
+    consts = (10.0, 1e-3)
+    running = [t.clone() for t in stats0]
+    got = ops.step_forward(x, prev, log_z, wq, wk, inv_tau, phi, *consts, wv, keep, weight, bias,
+                           *running, bn_train, 0.1, 1e-5)
+    # the same, op by op
+    running_ref = [t.clone() for t in stats0]
+    p = x.mean((2, 3), dtype=torch.float32)
+    beta, sc, lz = ops.head_forward(p, log_z, wq, wk, inv_tau, phi, *consts)
+    mean, sums = ops.train_stats(x, prev, beta if with_state else None, wv)
+    a, shift, mu, invstd = ops.tail_coeffs(sums, sc, keep, weight, bias, *running_ref, bn_train,
+                                           0.1, 1e-5, b * h * w)
+    out = ops.train_apply(x, mean if with_state else x, wv, a, shift)
+    want = [out, mean, lz, p, beta, sc, sums, a, shift, mu, invstd]
+    assert len(got) == len(want)
+    for i, (u, v) in enumerate(zip(got, want)):
+        assert torch.equal(u, v), i
+    assert all(torch.equal(u, v) for u, v in zip(running, running_ref))
+    assert torch.equal(running[0], stats0[0]) == (not bn_train)  # updated in training only
+    m = mean if with_state else x
+    flat = beta if with_state else None
+    got_b = ops.step_backward(gy, gmean, glog_z, x, prev, m, p, log_z, wq, wk, inv_tau, phi,
+                              *consts, wv, keep, flat, sc, sums, weight, mu, invstd, a, shift,
+                              bn_train)
+    st = ops.train_grad_stats(gy, m, wv, a, shift, keep) if bn_train else None
+    alpha, kappa, lam, qr = ops.tail_grad_coeffs(st, sc, weight, mu, invstd, b * h * w)
+    gx, gprev, gbeta, gwv, r = ops.train_backward(gy, gmean, x, prev, m, flat, wv, a, shift, keep,
+                                                  alpha, kappa, lam)
+    gweight, gbias, gscale = ops.tail_param_grads(r, sums, sc, weight, mu, invstd, qr)
+    gp, glz, gwq, gwk, gphi = ops.head_backward(p, log_z, wq, wk, inv_tau, phi, *consts,
+                                                gbeta.float() if with_state else None, gscale,
+                                                glog_z)
+    gx.add_(gp.div_(h * w).view(b, c, 1, 1))
+    want_b = [gx, gprev, glz, gwq, gwk, gphi, gwv.float(), gweight, gbias]
+    assert len(got_b) == len(want_b)
+    for i, (u, v) in enumerate(zip(got_b, want_b)):
+        assert u.dtype == torch.float32 and torch.equal(u, v), i
