@@ -690,8 +690,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_back
         gpb[c + j - pad] += hd.wq[j] * gq[c] + hd.wk[j] * gk[c];
     // the weights' gradients channel by channel, the taps innermost: 2 K
     // independent sums (each still over c in order, so the same values) where
-    // the tap-outer loop was one chain of dependent additions at a time
-    // (about 75 us per call at C = 2048)
+    // the tap-outer loop ran one chain of dependent additions at a time (the
+    // whole op 91 -> 85 us per call at C = 2048, batch 4)
     for (int64_t c = 0; c < C; ++c)
       for (int64_t j = std::max<int64_t>(0, pad - c); j < std::min<int64_t>(K, C + pad - c); ++j) {
         const double v = pb[c + j - pad];
@@ -868,7 +868,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tail_param_grads(
   }
   return std::make_tuple(gw, gbias, gscale);
 }
-
 
 // -- a whole training step in one call each way (fused_tail_cpu.FusedStep) --
 // The ops above in FusedStep's order, called directly: one dispatch from
