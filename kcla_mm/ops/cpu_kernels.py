@@ -4,7 +4,9 @@
   per-head math, the state update, the depthwise value convolution, the folded
   norm and gate, ReLU and the residual add) in two passes over the feature
   map, where the eager path runs about 50 ops and 12 passes
-  (``torch.ops.kcla_mm.eval_step``).
+  (``torch.ops.kcla_mm.eval_step``), or in one where the pooling comes from
+  ``torch.ops.kcla_mm.residual_relu_pool_``, which the backbone runs as its
+  blocks' last add and ReLU.
 - ``csrc/kcla_train_cpu.cpp`` does the training step: the per-head math
   (``head_forward``/``head_backward``) and the feature-map part with
   BatchNorm's batch statistics in four passes (``train_stats``,
@@ -21,6 +23,10 @@ Where it cannot be built the eager path runs, after one warning. Environment:
 - ``KCLA_MM_CPU_KERNELS=0``: never build or use the kernels.
 - ``KCLA_MM_CPU_KERNELS=require``: a failed build raises instead of warning
   (CI uses this, so a broken build cannot hide behind the fallback).
+- ``KCLA_MM_CPU_STAGE_ROWS=1`` / ``0``: whether ``eval_step`` copies the rows
+  its convolution reads into a padded ring (default: where L1 has fewer than
+  12 ways; see ``stage_rows`` in ``csrc/kcla_cpu.h``). The numbers are the
+  same either way; the tests use it to check that.
 
 Build ahead of time (e.g. in a Docker image): ``python -m kcla_mm.ops.cpu_kernels``.
 """
@@ -38,9 +44,9 @@ _CSRC = Path(__file__).with_name('csrc')
 _SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
 _HEADERS = (_CSRC / 'kcla_cpu.h', )
 #: the ops the build registers under ``torch.ops.kcla_mm``
-OPS = ('eval_step', 'train_stats', 'train_apply', 'train_grad_stats', 'train_backward',
-       'tail_coeffs', 'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward',
-       'step_forward', 'step_backward')
+OPS = ('eval_step', 'residual_relu_pool_', 'train_stats', 'train_apply', 'train_grad_stats',
+       'train_backward', 'tail_coeffs', 'tail_grad_coeffs', 'tail_param_grads', 'head_forward',
+       'head_backward', 'step_forward', 'step_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

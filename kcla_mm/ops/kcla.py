@@ -291,7 +291,8 @@ class KCLA(nn.Module):
         return o.add_(x), mean  # no new feature map
 
     def forward(self, x: Tensor, state: Optional[KCLAState] = None,
-                reuse_state: bool = False, reuse_input: bool = False) -> Tuple[Tensor, KCLAState]:
+                reuse_state: bool = False, reuse_input: bool = False,
+                pooled: Optional[Tensor] = None) -> Tuple[Tensor, KCLAState]:
         """One KCLA step: ``(x + attention output, new state)``.
 
         Args:
@@ -304,6 +305,10 @@ class KCLA(nn.Module):
             reuse_input: likewise for ``x``: without autograd the output may
                 be written into it (only by the fused CPU kernel, and never
                 where ``x`` becomes the state).
+            pooled: ``x``'s global average pool ``[B, C]`` as
+                :func:`residual_relu_pool_` returned it, which the fused eval
+                kernel then does not compute again (ignored by every other
+                path).
         """
         check_input(x, self.channels, 'KCLA')
         renormed = False
@@ -311,7 +316,7 @@ class KCLA(nn.Module):
             check_batch(state.mean.shape[0], x, 'KCLA')
             if self.renorm:
                 if self._fusable(x, state, adapt=True):  # adjust and norm_u in the kernel
-                    return self._fused_eval(x, state, False, reuse_input, adapt=True)
+                    return self._fused_eval(x, state, False, reuse_input, pooled, adapt=True)
                 state = self.renormalize(state, x)
                 renormed = True  # a new map, owned here
             elif state.mean.shape != x.shape:
@@ -320,7 +325,7 @@ class KCLA(nn.Module):
                     f'block output {tuple(x.shape)}; only an init layer (renorm=True) '
                     'adapts a state of another width or resolution')
         if self._fusable(x, state):
-            return self._fused_eval(x, state, reuse_state or renormed, reuse_input)
+            return self._fused_eval(x, state, reuse_state or renormed, reuse_input, pooled)
         if self._fused_training(x, state):
             return self._fused_train(x, state)
         q, k = self.keys(x)  # [B, G, d] each
@@ -392,7 +397,8 @@ class KCLA(nn.Module):
         return cpu_kernels.available()
 
     def _fused_eval(self, x: Tensor, state: Optional[KCLAState], reuse_prev: bool,
-                    reuse_input: bool, adapt: bool = False) -> Tuple[Tensor, KCLAState]:
+                    reuse_input: bool, pooled: Optional[Tensor],
+                    adapt: bool = False) -> Tuple[Tensor, KCLAState]:
         """:meth:`forward` in eval mode by ``torch.ops.kcla_mm.eval_step``."""
         weight, shift = _cached_norm_affine(self.norm, torch.float32)  # [1, C, 1, 1] each
         prev = None if state is None else state.mean
@@ -406,12 +412,36 @@ class KCLA(nn.Module):
             x, prev, None if state is None or adapt else state.log_z, self.wq.weight,
             self.wk.weight, self.inv_tau, self.phi.weight, self.wv.weight, weight, shift,
             adj_w, adj_b, wk_u, self.stride, -1.0 if self.clamp is None else self.clamp,
-            self.eps, reuse_prev, reuse_input and prev is not None)
+            self.eps, reuse_prev, reuse_input and prev is not None, pooled)
         return out, KCLAState(mean, log_z)
 
     def extra_repr(self) -> str:
         return (f'channels={self.channels}, heads={self.num_heads}, head_dim={self.head_dim}, '
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
+
+
+def residual_relu_pool_(x: Tensor, res: Tensor) -> Optional[Tensor]:
+    """``x += res; x.relu_()`` (a residual block's end); returns the pool where it comes free.
+
+    Without autograd, on float32 channels-last CPU maps of one shape, one
+    fused kernel (``torch.ops.kcla_mm.residual_relu_pool_``) adds, applies the
+    ReLU and sums the pixels in one pass, with the values of the two torch
+    ops. It returns the global average pool ``[B, C]`` that the fused eval
+    kernel would compute, bit for bit: passed to :meth:`KCLA.forward` as
+    ``pooled``, it saves that kernel its pooling pass over the map.
+    Elsewhere it runs the two torch ops and returns ``None``.
+    """
+    if (not torch.is_grad_enabled() and x.device.type == 'cpu' and x.dtype == torch.float32
+            and res.device.type == 'cpu' and res.dtype == torch.float32 and x.dim() == 4
+            and x.shape == res.shape and x.numel() > 0
+            and x.is_contiguous(memory_format=torch.channels_last)
+            and res.is_contiguous(memory_format=torch.channels_last)
+            and x.data_ptr() != res.data_ptr() and not _compiling()
+            and not torch.jit.is_tracing() and cpu_kernels.available()):
+        return torch.ops.kcla_mm.residual_relu_pool_(x, res)
+    x += res
+    x.relu_()
+    return None
 
 
 #: use the hand-derived backward of the recomputed tail where it applies

@@ -13,8 +13,10 @@ import pytest
 import torch
 from utils import randomize_norms
 
+import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
-from kcla_mm.ops import KCLA, KCLAState, cpu_kernels
+from kcla_mm.models.backbones.mmseg_kcla_resnet import KCLAResNetSeg
+from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, residual_relu_pool_
 
 CL = torch.channels_last
 
@@ -158,6 +160,147 @@ def test_backbone_matches_eager_and_keeps_hooked_outputs(monkeypatch, fused_call
     assert torch.equal(kept[0][0], kept[0][1])
 
 
+def _step_args(layer, x, prev, log_z, adapt=None):
+    """eval_step's arguments after (x, prev, log_z), up to (not with) the two flags."""
+    g = torch.Generator().manual_seed(11)
+    c = x.shape[1]
+    adj = (None, None, None) if adapt is None else adapt
+    return (x, prev, log_z, layer.wq.weight, layer.wk.weight, layer.inv_tau, layer.phi.weight,
+            layer.wv.weight, torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g) * 0.3,
+            *adj, 1 if adapt is None else 2, 10.0, 1e-3)
+
+
+# (batch, channels, head_dim, H, W): channels a multiple of 16 (no tail lanes,
+# whose scalar code GCC may contract differently per call site); batch 1 with
+# many rows runs in bands with halo rows; 256 channels: where staging applies
+@pytest.mark.parametrize('shape', [(1, 32, 16, 23, 5), (2, 64, 16, 9, 13), (4, 256, 64, 6, 7),
+                                   (1, 128, 64, 16, 3)])
+@pytest.mark.parametrize('threads', [1, 2])
+def test_staged_and_unstaged_rows_compute_the_same(shape, threads, monkeypatch):
+    """Rows staged in a ring (L1 with few ways) or read in place, state rows
+    computed ahead of the convolution: the same numbers bit for bit, on every
+    path (first block, running state in place or not, init layer)."""
+    b, c, d, h, w = shape
+    layer = make(c, head_dim=d)
+    g = torch.Generator().manual_seed(1)
+    x = cl(torch.randn(b, c, h, w, generator=g))
+    prev = cl(torch.randn(b, c, h, w, generator=g))
+    log_z = torch.randn(b, c // d, generator=g)
+    prev_big = cl(torch.randn(b, c // 2, 2 * h, 2 * w, generator=g))
+    adapt = (torch.randn(c, c // 2 // (c // d), generator=g) / 4, torch.randn(c, generator=g),
+             torch.randn(layer.wk.weight.shape, generator=g))
+    cases = {'first': (x, None, None, None, False, False),
+             'state': (x, prev, log_z, None, False, False),
+             'state in place': (x, prev, log_z, None, True, True),
+             'init layer': (x, prev_big, None, adapt, False, True)}
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, (xx, pp, lz, ad, reuse, inplace) in cases.items():
+            got = {}
+            for stage in ('1', '0'):
+                monkeypatch.setenv('KCLA_MM_CPU_STAGE_ROWS', stage)
+                xs = xx.clone()
+                ps = None if pp is None else pp.clone()
+                got[stage] = [t.clone() for t in torch.ops.kcla_mm.eval_step(
+                    *_step_args(layer, xs, ps, lz, ad), reuse, inplace)]
+            for a, b_ in zip(got['1'], got['0']):
+                assert torch.equal(a, b_), name
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def test_residual_relu_pool_is_torchs_add_and_relu_and_eval_steps_pool():
+    g = torch.Generator().manual_seed(2)
+    x = cl(torch.randn(3, 48, 7, 9, generator=g))
+    res = cl(torch.randn(3, 48, 7, 9, generator=g))
+    x[0, 0, 0, :3] = torch.tensor([-0.0, float('nan'), 1.0])
+    res[0, 0, 0, :3] = torch.tensor([-0.0, 1.0, float('nan')])
+    want = x.clone()
+    want += res
+    want.relu_()
+    with torch.no_grad():
+        got = x.clone()
+        pooled = residual_relu_pool_(got, res)
+    assert pooled is not None and pooled.shape == (3, 48)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 kept, as torch keeps it
+    # the pool eval_step computes itself, bit for bit, where the map is finite
+    y = cl(torch.randn(3, 48, 7, 9, generator=g))
+    with torch.no_grad():
+        p = residual_relu_pool_(y, cl(torch.randn(3, 48, 7, 9, generator=g)))
+    torch.testing.assert_close(p, y.mean((2, 3)), rtol=1e-6, atol=1e-6)
+    layer = make(48)
+    prev = cl(torch.randn(3, 48, 7, 9, generator=g))
+    lz = torch.randn(3, 3, generator=g)
+    own = torch.ops.kcla_mm.eval_step(*_step_args(layer, y, prev, lz), False, False)
+    given = torch.ops.kcla_mm.eval_step(*_step_args(layer, y, prev, lz), False, False, p)
+    for a, b in zip(own, given):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('case', ['grad', 'nchw', 'res nchw', 'broadcast'])
+def test_residual_relu_pool_falls_back_to_torch(case):
+    x = cl(torch.randn(2, 16, 5, 5))
+    res = cl(torch.randn(2, 16, 5, 5))
+    ctx = torch.no_grad()
+    if case == 'grad':
+        ctx = torch.enable_grad()
+    elif case == 'nchw':
+        x = x.contiguous()
+    elif case == 'res nchw':
+        res = res.contiguous()
+    else:
+        res = torch.randn(1, 16, 1, 1)
+    want = (x + res).relu()
+    with ctx:
+        assert residual_relu_pool_(x, res) is None
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('build', [
+    lambda: KCLAResNet(depth=50, base_channels=8, head_dim=8),
+    lambda: KCLAResNet(depth=18, base_channels=16, head_dim=16),
+    lambda: KCLAResNetSeg(depth=50, base_channels=8, stem_channels=16, head_dim=8,
+                          strides=(1, 2, 1, 1), dilations=(1, 1, 2, 4)),
+], ids=['mmdet-bottleneck', 'mmdet-basic', 'mmseg-bottleneck'])
+def test_backbone_pools_in_each_blocks_last_add_and_relu(build, monkeypatch):
+    """In inference the backbone replays the host's block and pools in its
+    last add and ReLU: the same outputs bit for bit as the host's forward,
+    and not where a hook on the block must see the host's call."""
+    torch.manual_seed(0)
+    model = build().eval()
+    randomize_norms(model)
+    x = torch.rand(2, 3, 64, 64)
+    pooled_by = []
+    orig = kcla_resnet.residual_relu_pool_
+
+    def spy(out, res):
+        p = orig(out, res)
+        pooled_by.append(p is not None)
+        return p
+
+    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    with torch.no_grad():
+        got = model(x)
+        assert len(pooled_by) == 16 if model.depth == 50 else 8
+        assert all(pooled_by)
+        monkeypatch.setattr(type(model), 'replayable_blocks', {})
+        want = model(x)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    monkeypatch.undo()
+    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    pooled_by.clear()
+    seen = []
+    model.layer2[0].register_forward_pre_hook(lambda mod, inp: seen.append(1))
+    with torch.no_grad():
+        hooked = model(x)
+    assert seen == [1] and len(pooled_by) == (15 if model.depth == 50 else 7)
+    for a, b in zip(hooked, want):
+        assert torch.equal(a, b)
+
+
 def test_kernel_rejects_bad_arguments():
     layer = make(32)
     x = torch.rand(2, 32, 4, 4)  # NCHW
@@ -170,6 +313,13 @@ def test_kernel_rejects_bad_arguments():
         torch.ops.kcla_mm.eval_step(cl(x), *args[:7], torch.ones(31), *args[8:])
     with pytest.raises(RuntimeError, match='output cannot'):
         torch.ops.kcla_mm.eval_step(cl(x), *args[:-1], True)  # no state: out would be x
+    with pytest.raises(RuntimeError, match='pooled'):
+        torch.ops.kcla_mm.eval_step(cl(x), *args, torch.zeros(2, 31))
+    with pytest.raises(RuntimeError, match='res has shape'):
+        torch.ops.kcla_mm.residual_relu_pool_(cl(x), cl(torch.rand(2, 32, 4, 5)))
+    with pytest.raises(RuntimeError, match='res must not be x'):
+        y = cl(x)
+        torch.ops.kcla_mm.residual_relu_pool_(y, y)
 
 
 def test_failed_build_falls_back_with_one_warning(monkeypatch):

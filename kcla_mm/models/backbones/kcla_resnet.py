@@ -16,7 +16,7 @@ import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from torch import Tensor, nn
 
-from ...ops import KCLA, BlockPosition, build_layer_attn, saved_output_hooks
+from ...ops import KCLA, BlockPosition, build_layer_attn, residual_relu_pool_, saved_output_hooks
 
 DEFAULT_LAYER_ATTN: Mapping = MappingProxyType({'type': 'KCLA'})
 
@@ -73,6 +73,15 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
 
 
+def _any_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run a hook of its own or a global one."""
+    m = nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
 class KCLAResNetMixin:
     """Adds layer attention to a host ``ResNet`` subclass (put it first in the MRO).
 
@@ -95,6 +104,11 @@ class KCLAResNetMixin:
             Values are unchanged.
         **kwargs: the host ResNet's arguments, with their host semantics.
     """
+
+    #: the host's residual blocks whose forward :meth:`_block` may replay,
+    #: ``{host forward function: 'bottleneck' | 'basic'}`` (set by the host
+    #: subclasses; empty: always the host's forward)
+    replayable_blocks: Mapping = MappingProxyType({})
 
     def __init__(self,
                  depth: int,
@@ -230,13 +244,45 @@ class KCLAResNetMixin:
             x = self.relu(self.norm1(self.conv1(x)))
         return self.maxpool(x)
 
-    def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module):
+    def _block(self, block: nn.Module, attn: nn.Module,
+               x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(block(x), its global average pool or None)``.
+
+        KCLA's fused eval kernel pools every block output, a pass over the map
+        of its own. In inference, for the host's own Bottleneck and BasicBlock
+        (no plugins, no hooks, forward not overridden), this calls the block's
+        modules in the host's order, and its final residual add and in-place
+        ReLU are :func:`kcla_mm.ops.residual_relu_pool_`, which also pools, in
+        one pass where its kernel applies. Elsewhere the host's forward runs.
+        """
+        if (torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or not isinstance(attn, KCLA) or attn.training):
+            return block(x), None  # (the kernel runs in eager inference only)
+        kind = self.replayable_blocks.get(getattr(type(block), 'forward', None))
+        if (kind is None or 'forward' in vars(block) or getattr(block, 'with_plugins', False)
+                or type(block.relu) is not nn.ReLU or _any_hooks(block)
+                or _any_hooks(block.relu)):
+            return block(x), None
+        identity = x
+        out = block.relu(block.norm1(block.conv1(x)))
+        if kind == 'bottleneck':
+            out = block.relu(block.norm2(block.conv2(out)))
+            out = block.norm3(block.conv3(out))
+        else:
+            out = block.norm2(block.conv2(out))
+        if block.downsample is not None:
+            identity = block.downsample(x)
+        return out, residual_relu_pool_(out, identity)
+
+    def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module,
+                pooled: Optional[Tensor] = None):
         if self.with_cp and x.requires_grad:
             return cp.checkpoint(attn, x, state, use_reentrant=False)
         if isinstance(attn, KCLA) and not torch.is_grad_enabled():
             # the backbone owns the states: the new one may take the old one's
             # memory; and the block output, unless a forward hook may have kept it
-            return attn(x, state, reuse_state=True, reuse_input=not _hooked(block))
+            return attn(x, state, reuse_state=True, reuse_input=not _hooked(block),
+                        pooled=pooled)
         return attn(x, state)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
@@ -261,8 +307,8 @@ class KCLAResNetMixin:
                 # the block's saved copies of x (a KCLA output) are recomputed
                 # in the backward pass instead of kept (no-op where inapplicable)
                 with saved_output_hooks(x) if not self.with_cp else nullcontext():
-                    x = block(x)
-                x, state = self._attend(attn, x, state, block)
+                    x, pooled = self._block(block, attn, x)
+                x, state = self._attend(attn, x, state, block, pooled)
             if i in self.out_indices:
                 # NOTE: outputs leave NCHW-contiguous: mmcv's RoIAlign reads its
                 # input as NCHW and silently returns scrambled features for a

@@ -1,5 +1,7 @@
 """``KCLAResNet`` on mmdet's ResNet (detection defaults: ``norm_eval=True``)."""
-from mmdet.models.backbones.resnet import ResNet
+from types import MappingProxyType
+
+from mmdet.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
 
 from .kcla_resnet import KCLAResNetMixin
 
@@ -22,3 +24,6 @@ class KCLAResNet(KCLAResNetMixin, ResNet):
         (1, 64, 4, 4)
         (1, 128, 2, 2)
     """
+
+    replayable_blocks = MappingProxyType({BasicBlock.forward: 'basic',
+                                          Bottleneck.forward: 'bottleneck'})

@@ -1,5 +1,7 @@
 """``KCLAResNet`` on mmseg's ResNet (segmentation defaults, ``contract_dilation``)."""
-from mmseg.models.backbones.resnet import ResNet
+from types import MappingProxyType
+
+from mmseg.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
 
 from .kcla_resnet import KCLAResNetMixin
 
@@ -25,3 +27,6 @@ class KCLAResNetSeg(KCLAResNetMixin, ResNet):
         (1, 64, 8, 8)
         (1, 128, 8, 8)
     """
+
+    replayable_blocks = MappingProxyType({BasicBlock.forward: 'basic',
+                                          Bottleneck.forward: 'bottleneck'})

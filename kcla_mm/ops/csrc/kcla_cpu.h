@@ -15,10 +15,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
 
 namespace kcla_cpu {
 
@@ -77,18 +81,18 @@ inline vf load(const float* p) { return Vec::load(p); }
 inline void store(float* p, vf v) { Vec::store(p, v); }
 inline vf splat(float s) { return Vec::splat(s); }
 
-// Calls f(L{}, std::integral_constant<int, NW>{}, w0, c0) for every tile of a
-// row of W pixels and C channels: NW = MaxNW pixels from w0 (NW = 1 at the
-// row's end), the channels c0 .. c0 + L::n - 1. Pixel tiles outermost, so that
+// Calls f(L{}, std::integral_constant<int, NW>{}, w0, c0) for every tile of
+// the pixels [w_lo, w_hi) of a row and the channels [c_lo, c_hi): NW = MaxNW
+// pixels from w0 (NW = 1 at the range's end), the channels c0 .. c0 + L::n - 1. Pixel tiles outermost, so that
 // the accesses run along memory. MaxNW = 4 reuses each loaded tap over four
 // pixels; MaxNW = 1 reads every map strictly in order, which measured faster
 // for the passes that stream several maps and write some (train_backward's
 // gradient rows, train_apply): the hardware prefetchers follow one stream per
 // map instead of four interleaved ones. (eval_step measured slower with it.)
 template <class L, int MaxNW = 4, class F>
-inline void row_tiles_of(int64_t W, int64_t c_lo, int64_t c_hi, F& f) {
-  for (int64_t w0 = 0; w0 < W; w0 += MaxNW) {
-    const int64_t nw = std::min<int64_t>(MaxNW, W - w0);
+inline void row_tiles_of(int64_t w_lo, int64_t w_hi, int64_t c_lo, int64_t c_hi, F& f) {
+  for (int64_t w0 = w_lo; w0 < w_hi; w0 += MaxNW) {
+    const int64_t nw = std::min<int64_t>(MaxNW, w_hi - w0);
     for (int64_t c0 = c_lo; c0 + L::n <= c_hi; c0 += L::n) {
       if (nw == MaxNW) {
         f(L{}, std::integral_constant<int, MaxNW>{}, w0, c0);
@@ -100,10 +104,15 @@ inline void row_tiles_of(int64_t W, int64_t c_lo, int64_t c_hi, F& f) {
 }
 
 template <int MaxNW = 4, class F>
-inline void row_tiles(int64_t W, int64_t C, F&& f) {
+inline void row_tiles_in(int64_t w_lo, int64_t w_hi, int64_t C, F&& f) {
   const int64_t cv = C - C % VL;
-  row_tiles_of<VecLanes, MaxNW>(W, 0, cv, f);
-  row_tiles_of<OneLane, MaxNW>(W, cv, C, f);
+  row_tiles_of<VecLanes, MaxNW>(w_lo, w_hi, 0, cv, f);
+  row_tiles_of<OneLane, MaxNW>(w_lo, w_hi, cv, C, f);
+}
+
+template <int MaxNW = 4, class F>
+inline void row_tiles(int64_t W, int64_t C, F&& f) {
+  row_tiles_in<MaxNW>(0, W, C, std::forward<F>(f));
 }
 
 // Where tap i of channel c lies in a table of taps() (see there).
@@ -291,15 +300,15 @@ struct RowPrefetch {
   }
 };
 
-// out_row = x_row + relu(a * conv3x3(rows) + shift), rows[i] null for zero
-// padding; wt: a table of taps(), a, shift: [C].
-// (P: the pixel stride of rows, e.g. StagedRows::stride(); x and out: C;
-// Split: conv_acc_split instead of conv_acc)
+// out_row = x_row + relu(a * conv3x3(rows) + shift) at the pixels [w_lo, w_hi)
+// of a row of W, rows[i] null for zero padding; wt: a table of taps(), a,
+// shift: [C]. (P: the pixel stride of rows, e.g. StagedRows::stride(); x and
+// out: C; Split: conv_acc_split instead of conv_acc)
 template <bool Split = false, int MaxNW = 4>
 inline void conv_row(const float* const rows[3], const float* x, float* out, const float* wt,
-                     const float* a, const float* shift, int64_t W, int64_t C, int64_t P,
-                     const RowPrefetch& pf = RowPrefetch{}) {
-  row_tiles<MaxNW>(W, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
+                     const float* a, const float* shift, int64_t w_lo, int64_t w_hi, int64_t W,
+                     int64_t C, int64_t P, const RowPrefetch& pf = RowPrefetch{}) {
+  row_tiles_in<MaxNW>(w_lo, w_hi, C, [&](auto lanes, auto nw, int64_t w0, int64_t c0) {
     using L = decltype(lanes);
     using V = typename L::V;
     constexpr int NW = decltype(nw)::value;
@@ -342,6 +351,26 @@ inline std::vector<float> taps(const float* wv, int64_t C, bool flipped = false)
 // 1040).
 inline int64_t staged_stride(int64_t C) { return C % 128 == 0 ? C + 16 : C; }
 
+// Whether eval_step stages its rows (StagedRows). The staging was measured on
+// an 8-way L1 (AMD EPYC VM, training kernels 214 -> 193 ms per step); on a
+// 12-way L1 (Intel Xeon VM) eval_step measured faster without it (in place
+// at ResNet-50 shapes, 10.2 -> 9.1 ms per forward), the training kernels the
+// same. So: stage where L1 has fewer than 12 ways or its ways are unknown.
+// KCLA_MM_CPU_STAGE_ROWS=1 / 0 forces it (read at every call: the tests check
+// that both ways compute the same).
+inline bool stage_rows() {
+  const char* env = std::getenv("KCLA_MM_CPU_STAGE_ROWS");
+  if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
+  static const bool few_ways = [] {
+#if defined(_SC_LEVEL1_DCACHE_ASSOC)
+    return sysconf(_SC_LEVEL1_DCACHE_ASSOC) < 12;
+#else
+    return true;
+#endif
+  }();
+  return few_ways;
+}
+
 // A ring of 3 rows of a map (W pixels of C channels) with the pixel stride
 // staged_stride(C), 64-byte aligned, each slot one cache line further into
 // the sets than the last: the rows a 3x3 convolution reads, copied in once
@@ -349,8 +378,9 @@ inline int64_t staged_stride(int64_t C) { return C % 128 == 0 ? C + 16 : C; }
 // does not, stage() hands back the map's row itself.
 class StagedRows {
  public:
-  StagedRows(int64_t W, int64_t C)
-      : W_(W), C_(C), P_(staged_stride(C)),
+  // stage = false: never copy (stride() == C), where L1 has ways enough
+  StagedRows(int64_t W, int64_t C, bool stage = true)
+      : W_(W), C_(C), P_(stage ? staged_stride(C) : C),
         slot_(((W * P_ + 15) / 16) * 16 + 16),
         buf_(P_ == C ? 0 : 3 * slot_ + 16) {
     const uintptr_t p = reinterpret_cast<uintptr_t>(buf_.data());
