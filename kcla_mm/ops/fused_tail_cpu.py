@@ -71,13 +71,15 @@ class FusedStep(torch.autograd.Function):
     """A whole KCLA training step by the fused CPU kernels: ``(out, mean, log z')``.
 
     Inputs: ``layer, x, prev, log_z, wq, wk, phi, keep, wv_weight, weight,
-    bias`` (``prev`` and ``log_z`` ``None`` for the first block; ``keep`` the
-    drop-path mask ``[B, 1, 1, 1]`` or ``None``). One autograd node for what
+    bias, pooled`` (``prev`` and ``log_z`` ``None`` for the first block; ``keep``
+    the drop-path mask ``[B, 1, 1, 1]`` or ``None``; ``pooled``: ``x``'s pool
+    from :class:`ResidualReluPool`, or ``None`` to pool here). One autograd node for what
     :meth:`KCLA.forward` computes in training: the global pool of ``x``, the
     per-head math (``head_forward``: ``beta``, the gate times ``z / (z + eps)``
     and ``log z'``, float64 inside) and the tail (the ``train_*`` passes and
     the ``tail_*`` algebra). The backward pass runs the same ops in reverse and
-    adds the pool's gradient to ``gx`` in place. One node instead of three
+    adds the pool's gradient to ``gx`` in place (or, for a given ``pooled``,
+    returns it as ``pooled``'s gradient). One node instead of three
     (pool, per-head math, tail) per block: the autograd engine's and Python's
     fixed cost per node is a large part of a small map's step. The running
     statistics of ``layer.norm`` are updated as ``nn.BatchNorm2d`` does, once.
@@ -86,7 +88,7 @@ class FusedStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer: nn.Module, x: Tensor, prev: Optional[Tensor], log_z: Optional[Tensor],
                 wq: Tensor, wk: Tensor, phi: Tensor, keep: Optional[Tensor], wv_weight: Tensor,
-                weight: Tensor, bias: Tensor):
+                weight: Tensor, bias: Tensor, pooled: Optional[Tensor] = None):
         ctx.set_materialize_grads(False)
         norm = layer.norm
         b, c, h, w = x.shape
@@ -104,10 +106,11 @@ class FusedStep(torch.autograd.Function):
         out, mean, log_z_new, p, flat, sc, sums, a, shift, mu, invstd = (
             torch.ops.kcla_mm.step_forward(x, prev, log_z, wq, wk, inv_tau, phi, clamp, eps,
                                            wv_weight, kv, weight, bias, norm.running_mean,
-                                           norm.running_var, norm.training, factor, norm.eps))
+                                           norm.running_var, norm.training, factor, norm.eps,
+                                           None if pooled is None else pooled.detach()))
         if prev is None:
             mean, flat = x, None
-        ctx.layer, ctx.bn_training = layer, norm.training
+        ctx.layer, ctx.bn_training, ctx.pool_given = layer, norm.training, pooled is not None
         ctx.consts = (inv_tau, clamp, eps)
         ctx.vectors = (sums, sc, weight, mu, invstd, a, shift, flat, kv)
         ctx.save_for_backward(x, prev, mean, wv_weight, p, log_z, wq, wk, phi)
@@ -129,12 +132,48 @@ class FusedStep(torch.autograd.Function):
         # gx, gprev and the parameters' gradients; the per-head math's backward,
         # then the pool's (gp / (H W) added to gx at every pixel): one call
         inv_tau, clamp, eps = ctx.consts
-        gx, gprev, glz, gwq, gwk, gphi, gwv, gweight, gbias = torch.ops.kcla_mm.step_backward(
+        grads = torch.ops.kcla_mm.step_backward(
             gy, gmean, glog_z, x, prev, mean, p, log_z, wq, wk, inv_tau, phi, clamp, eps,
-            wv_weight, kv, flat, sc, sums, weight, mu, invstd, a, shift, ctx.bn_training)
+            wv_weight, kv, flat, sc, sums, weight, mu, invstd, a, shift, ctx.bn_training,
+            not ctx.pool_given)
+        gx, gprev, glz, gwq, gwk, gphi, gwv, gweight, gbias = grads[:9]
         return (None, gx, gprev if prev is not None else None,
                 None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
-                gphi.view_as(phi), None, _param_grad(gwv, wv_weight), gweight, gbias)
+                gphi.view_as(phi), None, _param_grad(gwv, wv_weight), gweight, gbias,
+                grads[9] if ctx.pool_given else None)
+
+
+class ResidualReluPool(torch.autograd.Function):
+    """``x = relu(out + res)`` in place in ``out``, and its global pool: ``(x, pooled)``.
+
+    A residual block's last add and ReLU (``out += res; out.relu_()``, the
+    same values) and KCLA's pooling of the block output in one pass
+    (``residual_relu_pool_``). The backward pass is one pass too
+    (``relu_pool_backward``): ``(gx + gpooled / (H W))`` where ``x > 0``, the
+    gradient of both ``out`` and ``res``; it replaces the ReLU's backward and
+    the pass that adds the pool's gradient to ``gx``. Saves ``x``, which the
+    KCLA step saves anyway. CPU float32 channels-last maps of one shape
+    (:func:`kcla_mm.ops.kcla.residual_relu_pool_` checks).
+    """
+
+    @staticmethod
+    def forward(ctx, out: Tensor, res: Tensor):
+        ctx.set_materialize_grads(False)
+        pooled = torch.ops.kcla_mm.residual_relu_pool_(out, res)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(out)
+        return out, pooled
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gx: Optional[Tensor], gpooled: Optional[Tensor]):
+        x, = ctx.saved_tensors
+        if gx is None:
+            gx = torch.zeros_like(x)
+        g = torch.ops.kcla_mm.relu_pool_backward(
+            gx.contiguous(memory_format=CL), None if gpooled is None else gpooled.contiguous(),
+            x)
+        return g, g
 
 
 def _param_grad(grad: Tensor, param: Tensor) -> Tensor:

@@ -306,9 +306,9 @@ class KCLA(nn.Module):
                 be written into it (only by the fused CPU kernel, and never
                 where ``x`` becomes the state).
             pooled: ``x``'s global average pool ``[B, C]`` as
-                :func:`residual_relu_pool_` returned it, which the fused eval
-                kernel then does not compute again (ignored by every other
-                path).
+                :func:`residual_relu_pool_` returned it, which the fused
+                kernels then do not compute again (ignored by the eager
+                paths).
         """
         check_input(x, self.channels, 'KCLA')
         renormed = False
@@ -327,7 +327,7 @@ class KCLA(nn.Module):
         if self._fusable(x, state):
             return self._fused_eval(x, state, reuse_state or renormed, reuse_input, pooled)
         if self._fused_training(x, state):
-            return self._fused_train(x, state)
+            return self._fused_train(x, state, pooled)
         q, k = self.keys(x)  # [B, G, d] each
         k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
         log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)
@@ -361,13 +361,14 @@ class KCLA(nn.Module):
                                               self.wv.weight)
                 and cpu_kernels.available())
 
-    def _fused_train(self, x: Tensor, state: Optional[KCLAState]) -> Tuple[Tensor, KCLAState]:
+    def _fused_train(self, x: Tensor, state: Optional[KCLAState],
+                     pooled: Optional[Tensor] = None) -> Tuple[Tensor, KCLAState]:
         """:meth:`forward` in training by the fused CPU kernels (same numerics)."""
         out, mean, log_z = fused_tail_cpu.FusedStep.apply(
             self, x, None if state is None else state.mean,
             None if state is None else state.log_z, self.wq.weight, self.wk.weight,
             self.phi.weight, self.drop_path.keep_mask(x), self.wv.weight, self.norm.weight,
-            self.norm.bias)
+            self.norm.bias, pooled)
         return out, KCLAState(mean, log_z)
 
     def _fusable(self, x: Tensor, state: Optional[KCLAState], adapt: bool = False) -> bool:
@@ -420,28 +421,30 @@ class KCLA(nn.Module):
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
 
 
-def residual_relu_pool_(x: Tensor, res: Tensor) -> Optional[Tensor]:
-    """``x += res; x.relu_()`` (a residual block's end); returns the pool where it comes free.
+def residual_relu_pool_(x: Tensor, res: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """``x += res; x.relu_()`` (a residual block's end): ``(x, its pool or None)``.
 
-    Without autograd, on float32 channels-last CPU maps of one shape, one
-    fused kernel (``torch.ops.kcla_mm.residual_relu_pool_``) adds, applies the
-    ReLU and sums the pixels in one pass, with the values of the two torch
-    ops. It returns the global average pool ``[B, C]`` that the fused eval
-    kernel would compute, bit for bit: passed to :meth:`KCLA.forward` as
-    ``pooled``, it saves that kernel its pooling pass over the map.
-    Elsewhere it runs the two torch ops and returns ``None``.
+    On float32 channels-last CPU maps of one shape, one fused kernel
+    (``torch.ops.kcla_mm.residual_relu_pool_``) adds, applies the ReLU and
+    sums the pixels in one pass, with the values of the two torch ops, and
+    returns the global average pool ``[B, C]`` that the fused KCLA kernels
+    would compute, bit for bit. Passed to :meth:`KCLA.forward` as ``pooled``
+    it saves them their pooling pass over the map; under autograd
+    (:class:`~kcla_mm.ops.fused_tail_cpu.ResidualReluPool`) the pool's
+    gradient is then added in the ReLU's backward pass. Elsewhere it runs the
+    two torch ops and returns ``(x, None)``.
     """
-    if (not torch.is_grad_enabled() and x.device.type == 'cpu' and x.dtype == torch.float32
-            and res.device.type == 'cpu' and res.dtype == torch.float32 and x.dim() == 4
-            and x.shape == res.shape and x.numel() > 0
-            and x.is_contiguous(memory_format=torch.channels_last)
+    if (x.device.type == 'cpu' and x.dtype == torch.float32 and res.device.type == 'cpu'
+            and res.dtype == torch.float32 and x.dim() == 4 and x.shape == res.shape
+            and x.numel() > 0 and x.is_contiguous(memory_format=torch.channels_last)
             and res.is_contiguous(memory_format=torch.channels_last)
             and x.data_ptr() != res.data_ptr() and not _compiling()
             and not torch.jit.is_tracing() and cpu_kernels.available()):
-        return torch.ops.kcla_mm.residual_relu_pool_(x, res)
+        if torch.is_grad_enabled() and (x.requires_grad or res.requires_grad):
+            return fused_tail_cpu.ResidualReluPool.apply(x, res)
+        return x, torch.ops.kcla_mm.residual_relu_pool_(x, res)
     x += res
-    x.relu_()
-    return None
+    return x.relu_(), None
 
 
 #: use the hand-derived backward of the recomputed tail where it applies

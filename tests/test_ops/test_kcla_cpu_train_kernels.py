@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from utils import randomize_norms
 
+import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kmod
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
-from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, fused_tail_cpu
+from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, fused_tail_cpu, residual_relu_pool_
 
 CL = torch.channels_last
 
@@ -154,6 +155,76 @@ def test_backbone_training_step_as_accurate_as_the_recomputed_path(monkeypatch, 
     for k in want:
         assert err_fused[k] <= 4 * err_eager[k] + 1e-5, (k, err_fused[k], err_eager[k])
         assert err_fused[k] < 1e-2, (k, err_fused[k])
+
+
+@pytest.mark.parametrize('use_pool', [True, False])
+def test_residual_relu_pool_gradients_are_torchs(use_pool):
+    # ResidualReluPool: out += res; out.relu_() and the pool, one node; its
+    # backward, (gx + gpool / (H W)) where the output is positive, reaches
+    # out and res as torch's add, ReLU and mean send it (bit for bit)
+    g = torch.Generator().manual_seed(4)
+    base = cl(torch.randn(2, 32, 5, 6, generator=g)).requires_grad_()
+    res = cl(torch.randn(2, 32, 5, 6, generator=g)).requires_grad_()
+    w1 = cl(torch.randn(2, 32, 5, 6, generator=g))
+    w1[0, 0, 0, :2] = -0.0
+    w2 = torch.randn(2, 32, generator=g)
+    x, pooled = residual_relu_pool_(base * 1.0, res)
+    assert isinstance(x.grad_fn, fused_tail_cpu.ResidualReluPool._backward_cls)
+    loss = (x * w1).sum() + ((pooled * w2).sum() if use_pool else 0)
+    got = torch.autograd.grad(loss, (base, res))
+    out = base * 1.0
+    out += res
+    xr = out.relu_()
+    torch.testing.assert_close(x, xr, rtol=0, atol=0)
+    torch.testing.assert_close(pooled, xr.mean((2, 3)), rtol=1e-6, atol=1e-6)
+    ref = (xr * w1).sum() + ((xr.mean((2, 3)) * w2).sum() if use_pool else 0)
+    want = torch.autograd.grad(ref, (base, res))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@pytest.mark.parametrize('depth', [50, 18])
+def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, monkeypatch):
+    # with autograd the backbone replays the host's block and pools in its last
+    # add and ReLU, the pool's gradient added in the ReLU's backward pass:
+    # outputs, every gradient and the running statistics bit for bit those of
+    # the host's block forward
+    torch.manual_seed(0)
+    width = 8 if depth == 50 else 16
+    base = dict(base_channels=width, head_dim=width)
+    model = KCLAResNet(depth=depth, norm_eval=False,
+                       layer_attn=dict(type='KCLA', drop_path=0.2), **base).train()
+    randomize_norms(model)
+    x = torch.rand(2, 3, 64, 64)
+    pools = []
+    orig = kcla_resnet.residual_relu_pool_
+
+    def spy(out, res):
+        y, p = orig(out, res)
+        pools.append(p is not None)
+        return y, p
+
+    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    results = []
+    for replay in (True, False):
+        net = copy.deepcopy(model)
+        if not replay:
+            monkeypatch.setattr(type(net), 'replayable_blocks', {})
+        torch.manual_seed(1)  # the same drop-path masks
+        outs = net(x)
+        sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs).backward()
+        res = {f'out {i}': o.detach() for i, o in enumerate(outs)}
+        res.update({n: p.grad for n, p in net.named_parameters()})
+        res.update({n: b for n, b in net.named_buffers()})
+        results.append(res)
+        if replay:
+            assert pools == [True] * (16 if depth == 50 else 8)
+            pools.clear()
+    assert pools == []  # the host's forward: not called
+    got, want = results
+    assert got.keys() == want.keys()
+    for k in want:
+        assert want[k] is not None and torch.equal(got[k], want[k]), k
 
 
 def test_one_autograd_node_per_step(fused_calls):
@@ -402,9 +473,11 @@ def test_step_ops_equal_the_ops_they_chain(with_state, bn_train, with_keep):
     running = [t.clone() for t in stats0]
     got = ops.step_forward(x, prev, log_z, wq, wk, inv_tau, phi, *consts, wv, keep, weight, bias,
                            *running, bn_train, 0.1, 1e-5)
-    # the same, op by op
+    # the same, op by op; the pool is the kernels' own (the one residual_relu_pool_
+    # and eval_step compute), the mean within float rounding
     running_ref = [t.clone() for t in stats0]
-    p = x.mean((2, 3), dtype=torch.float32)
+    p = got[3]
+    torch.testing.assert_close(p, x.mean((2, 3)), rtol=1e-6, atol=1e-6)
     beta, sc, lz = ops.head_forward(p, log_z, wq, wk, inv_tau, phi, *consts)
     mean, sums = ops.train_stats(x, prev, beta if with_state else None, wv)
     a, shift, mu, invstd = ops.tail_coeffs(sums, sc, keep, weight, bias, *running_ref, bn_train,
@@ -434,3 +507,15 @@ def test_step_ops_equal_the_ops_they_chain(with_state, bn_train, with_keep):
     assert len(got_b) == len(want_b)
     for i, (u, v) in enumerate(zip(got_b, want_b)):
         assert u.dtype == torch.float32 and torch.equal(u, v), i
+    # a pool given from outside (residual_relu_pool_): the same step, and its
+    # gradient returned instead of added to gx
+    running_given = [t.clone() for t in stats0]
+    given = ops.step_forward(x, prev, log_z, wq, wk, inv_tau, phi, *consts, wv, keep, weight,
+                             bias, *running_given, bn_train, 0.1, 1e-5, p.clone())
+    assert all(torch.equal(u, v) for u, v in zip(given, got))
+    got_g = ops.step_backward(gy, gmean, glog_z, x, prev, m, p, log_z, wq, wk, inv_tau, phi,
+                              *consts, wv, keep, flat, sc, sums, weight, mu, invstd, a, shift,
+                              bn_train, False)
+    assert len(got_g) == len(want_b) + 1
+    assert all(torch.equal(u, v) for u, v in zip(got_g[1:9], want_b[1:]))
+    assert torch.equal(got_g[0] + got_g[9].div(h * w).view(b, c, 1, 1), want_b[0])

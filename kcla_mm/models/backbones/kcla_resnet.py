@@ -248,20 +248,22 @@ class KCLAResNetMixin:
                x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
         """``(block(x), its global average pool or None)``.
 
-        KCLA's fused eval kernel pools every block output, a pass over the map
-        of its own. In inference, for the host's own Bottleneck and BasicBlock
-        (no plugins, no hooks, forward not overridden), this calls the block's
-        modules in the host's order, and its final residual add and in-place
-        ReLU are :func:`kcla_mm.ops.residual_relu_pool_`, which also pools, in
-        one pass where its kernel applies. Elsewhere the host's forward runs.
+        KCLA's fused kernels pool every block output, a pass over the map of
+        their own. For the host's own Bottleneck and BasicBlock (no plugins,
+        no hooks, no checkpointing, forward not overridden), where a fused
+        kernel computes the KCLA step (eager inference, or training with
+        autograd), this calls the block's modules in the host's order, and
+        its final residual add and in-place ReLU are
+        :func:`kcla_mm.ops.residual_relu_pool_`, which also pools, in one
+        pass where its kernel applies. Elsewhere the host's forward runs.
         """
-        if (torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing()
-                or not isinstance(attn, KCLA) or attn.training):
-            return block(x), None  # (the kernel runs in eager inference only)
+        if (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or not isinstance(attn, KCLA) or attn.training != torch.is_grad_enabled()):
+            return block(x), None  # (the kernels compute eval without, training with autograd)
         kind = self.replayable_blocks.get(getattr(type(block), 'forward', None))
         if (kind is None or 'forward' in vars(block) or getattr(block, 'with_plugins', False)
-                or type(block.relu) is not nn.ReLU or _any_hooks(block)
-                or _any_hooks(block.relu)):
+                or getattr(block, 'with_cp', False) or type(block.relu) is not nn.ReLU
+                or _any_hooks(block) or _any_hooks(block.relu)):
             return block(x), None
         identity = x
         out = block.relu(block.norm1(block.conv1(x)))
@@ -272,7 +274,7 @@ class KCLAResNetMixin:
             out = block.norm2(block.conv2(out))
         if block.downsample is not None:
             identity = block.downsample(x)
-        return out, residual_relu_pool_(out, identity)
+        return residual_relu_pool_(out, identity)
 
     def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module,
                 pooled: Optional[Tensor] = None):
@@ -283,7 +285,7 @@ class KCLAResNetMixin:
             # memory; and the block output, unless a forward hook may have kept it
             return attn(x, state, reuse_state=True, reuse_input=not _hooked(block),
                         pooled=pooled)
-        return attn(x, state)
+        return attn(x, state) if pooled is None else attn(x, state, pooled=pooled)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
         """Per-stage outputs for ``out_indices``; ``[B, C_s, H/2^(s+2), W/2^(s+2)]``.

@@ -403,6 +403,74 @@ class StagedRows {
   float* base_;
 };
 
+// Pixels per task of the global pool, and per run summed in float before the
+// runs are summed in double. (With runs of 2048 pixels a test's training
+// step flipped a ReLU mask that float64 and ATen's mean, which the training
+// kernels used before, did not: relative error 5e-2 instead of 1e-4 in a
+// weight's gradient; with runs of 16, 1.2e-4.)
+inline int64_t pool_chunk(int64_t HW) { return std::max<int64_t>(1, std::min<int64_t>(HW, 2048)); }
+constexpr int64_t kPoolRun = 16;
+
+// What global_pool does to the map as it pools it.
+enum class PoolMode { kRead, kAddRelu };
+
+// The global average pool of x [B, H, W, C] (channels-last), [B, C] into
+// pooled (float sums of up to pool_chunk pixels, added in double, the mean
+// rounded to float; the kernels' one definition of the pool). kAddRelu: first
+// x <- relu(x + res) in place, in the same pass (the values of torch's
+// x += res; x.relu_(): -0 and NaN kept).
+template <PoolMode Mode>
+inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*, float*> xp,
+                        const float* res, int64_t B, int64_t HW, int64_t C, float* pooled) {
+  const int64_t plane = HW * C, chunk = pool_chunk(HW);
+  const int64_t nchunks = (HW + chunk - 1) / chunk;
+  std::vector<double> partial(B * nchunks * C, 0.0);
+  at::parallel_for(0, B * nchunks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(C);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / nchunks, j = t % nchunks;
+      const int64_t s0 = j * chunk, s1 = std::min(HW, s0 + chunk);
+      double* dst = partial.data() + t * C;
+      float* ap = acc.data();
+      for (int64_t s = s0; s < s1; ++s) {
+        if ((s - s0) % kPoolRun == 0) {  // a new run: the last one into the double sums
+          if (s > s0)
+            for (int64_t c = 0; c < C; ++c) dst[c] += ap[c];
+          std::fill(acc.begin(), acc.end(), 0.f);
+        }
+        const auto r = xp + b * plane + s * C;
+        if constexpr (Mode == PoolMode::kAddRelu) {
+          const float* e = res + b * plane + s * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) {
+            const float u = r[c] + e[c];
+            const float v = u < 0.f ? 0.f : u;
+            r[c] = v;
+            ap[c] += v;
+          }
+        } else {
+#pragma omp simd
+          for (int64_t c = 0; c < C; ++c) ap[c] += r[c];
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) dst[c] += ap[c];
+    }
+  });
+  std::vector<double> p(C);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < nchunks; ++j) {
+      const double* src = partial.data() + (b * nchunks + j) * C;
+      if (j == 0) {
+        for (int64_t c = 0; c < C; ++c) p[c] = src[c];
+      } else {
+        for (int64_t c = 0; c < C; ++c) p[c] += src[c];
+      }
+    }
+    for (int64_t c = 0; c < C; ++c)
+      pooled[b * C + c] = static_cast<float>(p[c] / static_cast<double>(HW));
+  }
+}
+
 inline void check_map(const char* op, const at::Tensor& t, const char* name,
                       at::IntArrayRef shape) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "kcla_mm ", op, ": ", name,

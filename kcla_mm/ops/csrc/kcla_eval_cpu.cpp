@@ -115,64 +115,6 @@ void adjust_row(const float* src, const float* wa_t, const float* bias, float* o
   }
 }
 
-// Pixels per partial sum of the global pool: summed in float, the partials in double.
-inline int64_t pool_chunk(int64_t HW) { return std::max<int64_t>(1, std::min<int64_t>(HW, 2048)); }
-
-// What global_pool does to the map as it pools it.
-enum class PoolMode { kRead, kAddRelu };
-
-// The global average pool of x [B, H, W, C] (channels-last), [B, C] into
-// pooled, rounded to float as the eager path pools it. kAddRelu: first
-// x <- relu(x + res) in place, in the same pass (the values of torch's
-// x += res; x.relu_(): -0 and NaN kept).
-template <PoolMode Mode>
-void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*, float*> xp,
-                 const float* res, int64_t B, int64_t HW, int64_t C, float* pooled) {
-  const int64_t plane = HW * C, chunk = pool_chunk(HW);
-  const int64_t nchunks = (HW + chunk - 1) / chunk;
-  std::vector<double> partial(B * nchunks * C, 0.0);
-  at::parallel_for(0, B * nchunks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc(C);
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = t / nchunks, j = t % nchunks;
-      const int64_t s0 = j * chunk, s1 = std::min(HW, s0 + chunk);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      float* ap = acc.data();
-      for (int64_t s = s0; s < s1; ++s) {
-        const auto r = xp + b * plane + s * C;
-        if constexpr (Mode == PoolMode::kAddRelu) {
-          const float* e = res + b * plane + s * C;
-#pragma omp simd
-          for (int64_t c = 0; c < C; ++c) {
-            const float u = r[c] + e[c];
-            const float v = u < 0.f ? 0.f : u;
-            r[c] = v;
-            ap[c] += v;
-          }
-        } else {
-#pragma omp simd
-          for (int64_t c = 0; c < C; ++c) ap[c] += r[c];
-        }
-      }
-      double* dst = partial.data() + t * C;
-      for (int64_t c = 0; c < C; ++c) dst[c] = acc[c];
-    }
-  });
-  std::vector<double> p(C);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t j = 0; j < nchunks; ++j) {
-      const double* src = partial.data() + (b * nchunks + j) * C;
-      if (j == 0) {
-        for (int64_t c = 0; c < C; ++c) p[c] = src[c];
-      } else {
-        for (int64_t c = 0; c < C; ++c) p[c] += src[c];
-      }
-    }
-    for (int64_t c = 0; c < C; ++c)
-      pooled[b * C + c] = static_cast<float>(p[c] / static_cast<double>(HW));
-  }
-}
-
 // residual_relu_pool_(x, res): x <- relu(x + res) in place (a residual
 // block's last add and ReLU), returns the global average pool of the result,
 // [B, C] float32, as eval_step would compute it: one pass where the block's
@@ -189,6 +131,55 @@ at::Tensor residual_relu_pool_(at::Tensor x, const at::Tensor& res) {
     global_pool<PoolMode::kAddRelu>(x.data_ptr<float>(), res.data_ptr<float>(), B, HW, C,
                                     pooled.data_ptr<float>());
   return pooled;
+}
+
+// The backward of residual_relu_pool_ (x its output): the gradient of the sum
+// before the ReLU, 0 where x <= 0, else gx + gp / (H W) (torch's
+// threshold_backward of gx plus the pool's gradient, in one pass; NaN in x
+// passes the gradient, as there); gp [B, C] may be undefined (no gradient
+// reached the pool).
+at::Tensor relu_pool_backward(const at::Tensor& gx, const c10::optional<at::Tensor>& gp_opt,
+                              const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4, "kcla_mm relu_pool_backward: x must be [B, C, H, W], got ",
+              x.sizes());
+  check_map("relu_pool_backward", x, "x", x.sizes());
+  check_map("relu_pool_backward", gx, "gx", x.sizes());
+  const int64_t B = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const bool has_gp = gp_opt.has_value() && gp_opt->defined();
+  std::vector<float> gpd(B * C, 0.f);
+  if (has_gp) {
+    const float* gp = param<float>("relu_pool_backward", *gp_opt, B * C, "gp");
+    for (int64_t i = 0; i < B * C; ++i) gpd[i] = gp[i] / static_cast<float>(HW);
+  }
+  at::Tensor g = at::empty_like(x);
+  const float* const xp = x.data_ptr<float>();
+  const float* const gxp = gx.data_ptr<float>();
+  float* const gop = g.data_ptr<float>();
+  const int64_t plane = HW * C, rows = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
+  const int64_t chunks = (HW + rows - 1) / rows, cv = C - C % VL;
+  // the lane types, not an `omp simd` loop: GCC compiled that to scalar code
+  // reloading the captured pointers after every store (10x slower)
+  auto pixel = [](auto lanes, const float* xr, const float* gr, const float* d, float* o,
+                  int64_t c0, bool with_gp) {
+    using L = decltype(lanes);
+    using V = typename L::V;
+    const V zero = L::splat(0.f), gv = L::load(gr + c0);
+    const V v = with_gp ? gv + L::load(d + c0) : gv;  // no + 0 without gp: keeps -0
+    L::store(o + c0, L::load(xr + c0) <= zero ? zero : v);  // threshold_backward's test
+  };
+  at::parallel_for(0, B * chunks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / chunks, s0 = (t % chunks) * rows, s1 = std::min(HW, s0 + rows);
+      const float* d = gpd.data() + b * C;
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t o = b * plane + s * C;
+        for (int64_t c0 = 0; c0 < cv; c0 += VL)
+          pixel(VecLanes{}, xp + o, gxp + o, d, gop + o, c0, has_gp);
+        for (int64_t c0 = cv; c0 < C; ++c0) pixel(OneLane{}, xp + o, gxp + o, d, gop + o, c0, has_gp);
+      }
+    }
+  });
+  return g;
 }
 
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
@@ -497,9 +488,11 @@ TORCH_LIBRARY(kcla_mm, m) {
       "Tensor? wk_u, int stride, float clamp, float eps, "
       "bool reuse_prev, bool inplace_out, Tensor? pooled=None) -> (Tensor, Tensor, Tensor)");
   m.def("residual_relu_pool_(Tensor(a!) x, Tensor res) -> Tensor");
+  m.def("relu_pool_backward(Tensor gx, Tensor? gp, Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
   m.impl("eval_step", &eval_step);
   m.impl("residual_relu_pool_", &residual_relu_pool_);
+  m.impl("relu_pool_backward", &relu_pool_backward);
 }

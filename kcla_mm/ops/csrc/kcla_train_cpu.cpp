@@ -881,10 +881,22 @@ std::vector<at::Tensor> step_forward(
     const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& inv_tau, const at::Tensor& phi,
     double clamp, double eps, const at::Tensor& wv, const c10::optional<at::Tensor>& keep,
     const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& running_mean,
-    const at::Tensor& running_var, bool training, double factor, double bn_eps) {
+    const at::Tensor& running_var, bool training, double factor, double bn_eps,
+    const c10::optional<at::Tensor>& pooled) {
   const Maps m = maps_of("step_forward", x);
-  // the global pool as FusedStep computed it: x.mean((2, 3), dtype=float32)
-  const at::Tensor p = at::mean(x, {2, 3}, false, at::kFloat);
+  // the global pool (global_pool's, as eval_step's), unless residual_relu_pool_ gave it
+  at::Tensor p;
+  if (pooled.has_value() && pooled->defined()) {
+    TORCH_CHECK(pooled->scalar_type() == at::kFloat && pooled->is_contiguous() &&
+                    pooled->sizes() == at::IntArrayRef({m.B, m.C}),
+                "kcla_mm step_forward: pooled must be a contiguous float32 [", m.B, ", ", m.C,
+                "] tensor, got ", pooled->scalar_type(), " ", pooled->sizes());
+    p = *pooled;
+  } else {
+    p = at::empty({m.B, m.C}, x.options());
+    global_pool<PoolMode::kRead>(x.data_ptr<float>(), nullptr, m.B, m.H * m.W, m.C,
+                                 p.data_ptr<float>());
+  }
   at::Tensor beta, scale, lz;
   std::tie(beta, scale, lz) = head_forward(p, log_z, wq, wk, inv_tau, phi, clamp, eps);
   const bool has_state = log_z.has_value() && log_z->defined();
@@ -913,7 +925,7 @@ std::vector<at::Tensor> step_backward(
     const at::Tensor& wv, const c10::optional<at::Tensor>& keep,
     const c10::optional<at::Tensor>& beta, const at::Tensor& scale, const at::Tensor& sums,
     const at::Tensor& weight, const at::Tensor& mu, const at::Tensor& invstd, const at::Tensor& a,
-    const at::Tensor& shift, bool bn_training) {
+    const at::Tensor& shift, bool bn_training, bool pool_grad_into_gx) {
   const Maps m = maps_of("step_backward", x);
   const int64_t count = m.B * m.H * m.W;
   const c10::optional<at::Tensor> stats =
@@ -933,9 +945,13 @@ std::vector<at::Tensor> step_backward(
   std::tie(gp, glz, gwq, gwk, gphi) =
       head_backward(p, log_z, wq, wk, inv_tau, phi, clamp, eps, gbeta_f, gscale,
                     glog_z);
-  // the pool's backward: gp / (H W) at every pixel
-  gx.add_(gp.div_(m.H * m.W).view({m.B, m.C, 1, 1}));
-  return {gx, gprev, glz, gwq, gwk, gphi, gwv.to(x.scalar_type()), gweight, gbias};
+  // the pool's backward: gp / (H W) at every pixel (unless the pool came from
+  // residual_relu_pool_, whose backward adds it: then gp is returned, last)
+  if (pool_grad_into_gx) {
+    gx.add_(gp.div_(m.H * m.W).view({m.B, m.C, 1, 1}));
+    return {gx, gprev, glz, gwq, gwk, gphi, gwv.to(x.scalar_type()), gweight, gbias};
+  }
+  return {gx, gprev, glz, gwq, gwk, gphi, gwv.to(x.scalar_type()), gweight, gbias, gp};
 }
 
 }  // namespace
@@ -971,13 +987,13 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
       "step_forward(Tensor x, Tensor? prev, Tensor? log_z, Tensor wq, Tensor wk, "
       "Tensor inv_tau, Tensor phi, float clamp, float eps, Tensor wv, Tensor? keep, "
       "Tensor weight, Tensor bias, Tensor(a!) running_mean, Tensor(b!) running_var, "
-      "bool training, float factor, float bn_eps) -> Tensor[]");
+      "bool training, float factor, float bn_eps, Tensor? pooled=None) -> Tensor[]");
   m.def(
       "step_backward(Tensor gy, Tensor? gmean, Tensor? glog_z, Tensor x, Tensor? prev, "
       "Tensor mean, Tensor p, Tensor? log_z, Tensor wq, Tensor wk, Tensor inv_tau, Tensor phi, "
       "float clamp, float eps, Tensor wv, Tensor? keep, Tensor? beta, Tensor scale, "
       "Tensor sums, Tensor weight, Tensor mu, Tensor invstd, Tensor a, Tensor shift, "
-      "bool bn_training) -> Tensor[]");
+      "bool bn_training, bool pool_grad_into_gx=True) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
