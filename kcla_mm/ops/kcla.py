@@ -308,9 +308,17 @@ class KCLA(nn.Module):
             pooled: ``x``'s global average pool ``[B, C]`` as
                 :func:`residual_relu_pool_` returned it, which the fused
                 kernels then do not compute again (ignored by the eager
-                paths).
+                paths; in training used only where it comes from
+                :func:`residual_relu_pool_` under autograd, whose backward
+                pass then receives the pool's gradient).
+
+        Raises:
+            ValueError: ``pooled`` is not a float32 ``[B, C]`` tensor on
+                ``x``'s device.
         """
         check_input(x, self.channels, 'KCLA')
+        if pooled is not None:
+            _check_pooled(pooled, x)
         renormed = False
         if state is not None:
             check_batch(state.mean.shape[0], x, 'KCLA')
@@ -327,7 +335,11 @@ class KCLA(nn.Module):
         if self._fusable(x, state):
             return self._fused_eval(x, state, reuse_state or renormed, reuse_input, pooled)
         if self._fused_training(x, state):
-            return self._fused_train(x, state, pooled)
+            # a pool without the graph of residual_relu_pool_'s node would
+            # lose the pool's gradient: pool here instead
+            node = None if pooled is None else pooled.grad_fn
+            given = isinstance(node, fused_tail_cpu.ResidualReluPool._backward_cls)
+            return self._fused_train(x, state, pooled if given else None)
         q, k = self.keys(x)  # [B, G, d] each
         k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
         log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)
@@ -419,6 +431,16 @@ class KCLA(nn.Module):
     def extra_repr(self) -> str:
         return (f'channels={self.channels}, heads={self.num_heads}, head_dim={self.head_dim}, '
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
+
+
+def _check_pooled(pooled: Tensor, x: Tensor) -> None:
+    want = (x.shape[0], x.shape[1])
+    if (not isinstance(pooled, Tensor) or tuple(pooled.shape) != want
+            or pooled.dtype != torch.float32 or pooled.device != x.device):
+        got = (f'{pooled.dtype} tensor of shape {tuple(pooled.shape)} on {pooled.device}'
+               if isinstance(pooled, Tensor) else repr(pooled))
+        raise ValueError(f'KCLA: pooled must be the float32 [B, C] = {list(want)} global pool '
+                         f'of x (on {x.device}), got a {got}')
 
 
 def residual_relu_pool_(x: Tensor, res: Tensor) -> Tuple[Tensor, Optional[Tensor]]:

@@ -227,6 +227,34 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, monkeyp
         assert want[k] is not None and torch.equal(got[k], want[k]), k
 
 
+def test_a_pool_without_the_fold_s_graph_is_not_used_in_training():
+    # a pool given without residual_relu_pool_'s node would drop the pool's
+    # gradient from gx: the layer pools itself then (the same gradients)
+    layer = make(32, 16)
+    g = torch.Generator().manual_seed(5)
+    base = cl(torch.rand(2, 32, 6, 6, generator=g))
+    grads = []
+    for pooled in (None, base.mean((2, 3)), torch.zeros(2, 32)):
+        x = base.clone().requires_grad_()
+        out, new = layer(x, None, pooled=pooled)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+@pytest.mark.parametrize('pooled, match', [
+    (torch.zeros(2, 31), r'\[2, 32\].*shape \(2, 31\)'),
+    (torch.zeros(32, 2), r'shape \(32, 2\)'),
+    (torch.zeros(2, 32, dtype=torch.float64), 'torch.float64'),
+])
+def test_bad_pooled_is_named(pooled, match):
+    layer = make(32, 16)
+    with pytest.raises(ValueError, match=match):
+        layer(cl(torch.rand(2, 32, 6, 6)), None, pooled=pooled)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        layer.eval()(cl(torch.rand(2, 32, 6, 6)), None, pooled=pooled)
+
+
 def test_one_autograd_node_per_step(fused_calls):
     # the pooling, the per-head math and the tail are one node: x, the state
     # and the parameters feed it directly (each node costs the autograd engine
