@@ -242,7 +242,8 @@ class Candidate:
 
 
 def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
-                   channels_last: Optional[bool] = None) -> nn.Module:
+                   channels_last: Optional[bool] = None,
+                   recompute_attn_outputs: bool = True) -> nn.Module:
     """The backbone of a candidate (random initialisation, BatchNorm in training mode).
 
     Args:
@@ -251,11 +252,13 @@ def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
         method: one of :data:`METHODS`.
         tiny: a quarter of the ImageNet widths / half of the CIFAR widths (smoke tests).
         channels_last: the backbone's ``channels_last`` argument (``None``: its default).
+        recompute_attn_outputs: the backbone's argument of that name.
     """
     if method not in METHODS:
         raise ValueError(f'method={method!r}; choose from {METHODS}')
     layer_attn = None if method == 'none' else dict(type=method)
-    kw: Dict[str, Any] = dict(layer_attn=layer_attn, channels_last=channels_last)
+    kw: Dict[str, Any] = dict(layer_attn=layer_attn, channels_last=channels_last,
+                              recompute_attn_outputs=recompute_attn_outputs)
     if family == 'imagenet':
         if tiny:
             kw.update(base_channels=16, head_dim=16)

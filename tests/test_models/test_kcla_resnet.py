@@ -311,14 +311,47 @@ def _kcla_outputs_alive_after_forward(model, x):
 def test_block_inputs_are_recomputed_not_kept(monkeypatch):
     # the next block's saved copies of a KCLA output are recomputed in the
     # backward pass: after the forward pass no KCLA output is alive (the
-    # returned stage output is a NCHW copy); the control keeps all of them
+    # returned stage output is a NCHW copy); recompute_attn_outputs=False
+    # keeps all of them, as does the backbone without the hooks
     import kcla_mm.models.backbones.kcla_resnet as bmod
     model = tiny(depth=50, channels_last=True, norm_eval=False).train()
     x = torch.rand(2, 3, 64, 64)
     assert _kcla_outputs_alive_after_forward(model, x) == (0, 16)
-    monkeypatch.setattr(bmod, 'saved_output_hooks', lambda y: contextlib.nullcontext())
+    model.recompute_attn_outputs = False
     alive, total = _kcla_outputs_alive_after_forward(model, x)
     assert alive == total - 1 == 15  # all but the last one, which nothing saves
+    model.recompute_attn_outputs = True
+    monkeypatch.setattr(bmod, 'saved_output_hooks', lambda y: contextlib.nullcontext())
+    assert _kcla_outputs_alive_after_forward(model, x) == (15, 16)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_kept_attn_outputs_give_the_recomputed_values(dtype):
+    # recompute_attn_outputs=False spends memory, not numerics: outputs, input
+    # and parameter gradients and BN statistics bit for bit those of the
+    # recomputing default (float32: the fused CPU kernels where built, whose
+    # recomputation is the forward's kernel; float64: the eager tail)
+    torch.manual_seed(0)
+    ref = tiny(depth=50, norm_eval=False, channels_last=True).to(dtype).train()
+    randomize_norms(ref)
+    kept = tiny(depth=50, norm_eval=False, channels_last=True,
+                recompute_attn_outputs=False).to(dtype).train()
+    kept.load_state_dict(ref.state_dict())
+    x = torch.rand(2, 3, 32, 32, dtype=dtype)
+    (o0, x0, g0, b0), (o1, x1, g1, b1) = _grads(ref, x), _grads(kept, x)
+    assert all(torch.equal(a, b) for a, b in zip(o0, o1))
+    assert torch.equal(x0, x1)
+    assert g0.keys() == g1.keys() and b0.keys() == b1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+    for n in b0:
+        assert torch.equal(b0[n], b1[n]), n
+
+
+@pytest.mark.parametrize('value', [None, 0, 'no'])
+def test_recompute_attn_outputs_must_be_a_bool(value):
+    with pytest.raises(ValueError, match=f'recompute_attn_outputs={value!r}'):
+        tiny(depth=18, recompute_attn_outputs=value)
 
 
 def test_outer_saved_tensor_hooks_see_every_saved_tensor():

@@ -210,6 +210,53 @@ def test_peak_train_memory_grows_with_the_saved_history():
     assert full > plain > x.numel() * 4
 
 
+def test_kept_attn_outputs_cost_one_map_per_block():
+    # recompute_attn_outputs=False: the next block keeps its copy of each KCLA
+    # output (the benchmark's --keep-attn-outputs). The peak then holds at
+    # most one more map per block but the last, and at least stage 1's three,
+    # which the backward pass frees last; the other methods recompute nothing
+    x = torch.rand(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+    mem = {keep: peak_train_memory(build_backbone('imagenet', 50, 'KCLA', tiny=True,
+                                                  channels_last=True,
+                                                  recompute_attn_outputs=not keep), x)
+           for keep in (False, True)}
+    model = build_backbone('imagenet', 50, 'KCLA', tiny=True, channels_last=True)
+    sizes = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: sizes.append(out[0].nbytes))
+             for m in model.layer_attn_modules()]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    assert len(sizes) == 16 and sizes[0] == sizes[2] > sizes[3]
+    assert sum(sizes[:3]) <= mem[True] - mem[False] <= sum(sizes[:-1])
+    mrla = [peak_train_memory(build_backbone('cifar', 8, 'MRLALight', tiny=True,
+                                             recompute_attn_outputs=r), x[:, :, :16, :16])
+            for r in (True, False)]
+    assert mrla[0] == mrla[1]
+
+
+def test_benchmark_tool_keeps_attn_outputs_when_asked(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location('kcla_benchmark_tool', TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    seen = {}
+
+    def fake_run(candidates, models, *args, **kwargs):
+        seen.update(models)
+        return {}
+
+    monkeypatch.setattr(tool, 'run', fake_run)
+    monkeypatch.setattr(tool, 'write_outputs', lambda results, header, *a: '\n'.join(header))
+    for flag, recompute in (([], True), (['--keep-attn-outputs'], False)):
+        seen.clear()
+        tool.main(['--quick', '--no-flops', '--methods', 'KCLA', '--depths', '18',
+                   '--cifar-depths', '--out-dir', str(tmp_path)] + flag)
+        assert {m.recompute_attn_outputs for m in seen.values()} == {recompute}
+        header = (tmp_path / 'benchmark.json').read_text()
+        assert ('recompute_attn_outputs=False' in header) is not recompute
+
+
 def test_run_interleaves_and_measures_memory_in_the_warmup():
     cands = [Candidate('cifar', 8, m) for m in ('none', 'KCLA')]
     models = {c: build_backbone(c.family, c.depth, c.method, tiny=True) for c in cands}

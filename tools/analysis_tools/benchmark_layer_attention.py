@@ -109,6 +109,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help='on CPU, keep the allocators\' default settings; by default the '
                         'tool re-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV '
                         '(huge pages, freed memory kept), the same for every candidate')
+    parser.add_argument('--keep-attn-outputs', action='store_true',
+                        help='build the backbones with recompute_attn_outputs=False: KCLA\'s '
+                        'outputs kept for the backward pass instead of recomputed (more '
+                        'memory, less time)')
     parser.add_argument('--compile', action='store_true',
                         help='also measure every candidate through torch.compile')
     parser.add_argument('--no-elementwise', action='store_true',
@@ -196,8 +200,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     for family, depths in (('imagenet', args.depths), ('cifar', args.cifar_depths)):
         for depth in depths:
             for method in args.methods:
-                model = build_backbone(family, depth, method, tiny=args.quick,
-                                       channels_last=channels_last).to(device)
+                model = build_backbone(
+                    family, depth, method, tiny=args.quick, channels_last=channels_last,
+                    recompute_attn_outputs=not args.keep_attn_outputs).to(device)
                 # (a channels-last backbone keeps its convolution weights
                 # channels-last itself: the model is measured as configs build it)
                 c = Candidate(family, depth, method)
@@ -238,6 +243,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
                                  'and input'),
         'per block: (time - plain ResNet time) / blocks, ms; ratios (x) to the plain ResNet '
         'of the same depth in this run',
+        'KCLA outputs: ' + ('kept for the backward pass (recompute_attn_outputs=False)'
+                            if args.keep_attn_outputs else
+                            'recomputed in the backward pass (the default)'),
         'KCLA on CPU: ' + (
             'fused CPU kernels (eval: torch.ops.kcla_mm.eval_step; training: train_* and '
             'head_* ops)' if device.type == 'cpu' and cpu_kernels.available() else 'eager ops'),

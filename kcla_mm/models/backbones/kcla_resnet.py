@@ -102,6 +102,16 @@ class KCLAResNetMixin:
             element-wise state update slow instead. The convolution weights
             are stored channels-last too (loading a checkpoint keeps that).
             Values are unchanged.
+        recompute_attn_outputs: in training, the next block's saved copies
+            of each KCLA output (for its ``conv1`` and downsample backward)
+            are recomputed in the backward pass from what KCLA keeps anyway,
+            instead of kept: one feature map less per block for one more
+            pass over it. ``False`` keeps them: faster, more memory
+            (KCLA-ResNet-50, batch 4, 224x224, 2 CPU threads: peak training
+            memory 561 -> 637 MB, 1.20x -> 1.37x the plain ResNet-50; training
+            step about 2% faster). Values and gradients are the same either
+            way. No effect in inference, with ``with_cp`` or on other
+            methods.
         **kwargs: the host ResNet's arguments, with their host semantics.
     """
 
@@ -115,8 +125,13 @@ class KCLAResNetMixin:
                  layer_attn: Optional[Mapping] = DEFAULT_LAYER_ATTN,
                  head_dim: Optional[int] = None,
                  channels_last: Optional[bool] = None,
+                 recompute_attn_outputs: bool = True,
                  **kwargs) -> None:
         self._check_host_args(depth, kwargs)
+        if not isinstance(recompute_attn_outputs, bool):
+            raise ValueError('recompute_attn_outputs must be True or False, got '
+                             f'recompute_attn_outputs={recompute_attn_outputs!r}')
+        self.recompute_attn_outputs = recompute_attn_outputs
         self.layer_attn_cfg = None if layer_attn is None else dict(layer_attn)
         self.channels_last = (layer_attn is not None) if channels_last is None \
             else bool(channels_last)
@@ -308,7 +323,8 @@ class KCLAResNetMixin:
             for block, attn in zip(getattr(self, name), getattr(self, f'{name}_attn')):
                 # the block's saved copies of x (a KCLA output) are recomputed
                 # in the backward pass instead of kept (no-op where inapplicable)
-                with saved_output_hooks(x) if not self.with_cp else nullcontext():
+                recompute = self.recompute_attn_outputs and not self.with_cp
+                with saved_output_hooks(x) if recompute else nullcontext():
                     x, pooled = self._block(block, attn, x)
                 x, state = self._attend(attn, x, state, block, pooled)
             if i in self.out_indices:
