@@ -109,7 +109,7 @@ class KCLAResNetMixin:
             pass over it. ``False`` keeps them: faster, more memory
             (KCLA-ResNet-50, batch 4, 224x224, 2 CPU threads: peak training
             memory 561 -> 637 MB, 1.20x -> 1.37x the plain ResNet-50; training
-            step about 2% faster). Values and gradients are the same either
+            step 2-3% faster). Values and gradients are the same either
             way. No effect in inference, with ``with_cp`` or on other
             methods.
         **kwargs: the host ResNet's arguments, with their host semantics.
