@@ -44,9 +44,10 @@ _CSRC = Path(__file__).with_name('csrc')
 _SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
 _HEADERS = (_CSRC / 'kcla_cpu.h', )
 #: the ops the build registers under ``torch.ops.kcla_mm``
-OPS = ('eval_step', 'residual_relu_pool_', 'relu_pool_backward', 'train_stats', 'train_apply',
-       'train_grad_stats', 'train_backward', 'tail_coeffs', 'tail_grad_coeffs',
-       'tail_param_grads', 'head_forward', 'head_backward', 'step_forward', 'step_backward')
+OPS = ('eval_step', 'residual_relu_pool_', 'residual_relu_pool_mask_', 'relu_pool_backward',
+       'train_stats', 'train_apply', 'train_grad_stats', 'train_backward', 'tail_coeffs',
+       'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward', 'step_forward',
+       'step_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

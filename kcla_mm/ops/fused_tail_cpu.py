@@ -15,9 +15,15 @@ BatchNorm's batch statistics of ``s`` come from per-sample sums of ``v`` and
 ``v`` nor ``s`` is ever stored: forward is one statistics pass (which writes
 the new mean) and one output pass; backward one pass of gradient sums (batch
 statistics only) and one pass that writes ``gx`` and ``gprev``. Saved for
-backward: ``x``, ``prev`` and ``mean`` (which the neighbouring blocks keep
-anyway) and ``[B, C]`` vectors; the output is recomputed by one pass where a
-later block saved it (see :func:`kcla_mm.ops.kcla.saved_output_hooks`).
+backward: the output ``out``, ``prev`` and ``mean`` (which the neighbouring
+blocks keep anyway: the next block saves its input ``out`` for ``conv1``) and
+``[B, C]`` vectors, but not ``x``: the backward pass takes ``x`` as ``out``
+minus ``keep relu(o)``, recomputed, where it needs it (``x - prev`` for the
+gradient of ``beta``), and :class:`ResidualReluPool` keeps a one-bit ReLU mask
+instead of ``x``. So a step keeps no feature map beyond its state, and none
+is recomputed. The exception is the first step (no ``prev``), whose state is
+``x`` itself: it keeps ``x``, and the output is recomputed by one pass where
+a later block saved it (see :func:`kcla_mm.ops.kcla.saved_output_hooks`).
 
 Each direction is one call from Python: ``step_forward`` and ``step_backward``
 chain those ops in C++ (a test checks them against the ops called one by one,
@@ -113,16 +119,22 @@ class FusedStep(torch.autograd.Function):
         ctx.layer, ctx.bn_training, ctx.pool_given = layer, norm.training, pooled is not None
         ctx.consts = (inv_tau, clamp, eps)
         ctx.vectors = (sums, sc, weight, mu, invstd, a, shift, flat, kv)
-        ctx.save_for_backward(x, prev, mean, wv_weight, p, log_z, wq, wk, phi)
+        # with a state: out, not x (the next block keeps out anyway; x - prev
+        # is taken as out - keep relu(o) - prev in the backward pass); the
+        # first step keeps x, its state, and out is recomputed where saved
+        ctx.keeps_output = prev is not None
+        ctx.save_for_backward(out if ctx.keeps_output else x, prev, mean, wv_weight, p, log_z,
+                              wq, wk, phi)
         return out, mean, log_z_new
 
     @staticmethod
     @once_differentiable  # the kernels are not differentiable: double backward raises
     def backward(ctx, gy: Optional[Tensor], gmean: Optional[Tensor], glog_z: Optional[Tensor]):
-        x, prev, mean, wv_weight, p, log_z, wq, wk, phi = ctx.saved_tensors
+        # out, or x for the first step (see forward)
+        x_or_out, prev, mean, wv_weight, p, log_z, wq, wk, phi = ctx.saved_tensors
         sums, sc, weight, mu, invstd, a, shift, flat, kv = ctx.vectors
         # (no gradient for out: the kernels take a zero map)
-        gy = torch.zeros_like(x) if gy is None else gy.contiguous(memory_format=CL)
+        gy = torch.zeros_like(mean) if gy is None else gy.contiguous(memory_format=CL)
         if gmean is not None:
             gmean = gmean.contiguous(memory_format=CL)
         if glog_z is not None:
@@ -133,9 +145,9 @@ class FusedStep(torch.autograd.Function):
         # then the pool's (gp / (H W) added to gx at every pixel): one call
         inv_tau, clamp, eps = ctx.consts
         grads = torch.ops.kcla_mm.step_backward(
-            gy, gmean, glog_z, x, prev, mean, p, log_z, wq, wk, inv_tau, phi, clamp, eps,
+            gy, gmean, glog_z, x_or_out, prev, mean, p, log_z, wq, wk, inv_tau, phi, clamp, eps,
             wv_weight, kv, flat, sc, sums, weight, mu, invstd, a, shift, ctx.bn_training,
-            not ctx.pool_given)
+            not ctx.pool_given, ctx.keeps_output)
         gx, gprev, glz, gwq, gwk, gphi, gwv, gweight, gbias = grads[:9]
         return (None, gx, gprev if prev is not None else None,
                 None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
@@ -148,31 +160,35 @@ class ResidualReluPool(torch.autograd.Function):
 
     A residual block's last add and ReLU (``out += res; out.relu_()``, the
     same values) and KCLA's pooling of the block output in one pass
-    (``residual_relu_pool_``). The backward pass is one pass too
+    (``residual_relu_pool_mask_``). The backward pass is one pass too
     (``relu_pool_backward``): ``(gx + gpooled / (H W))`` where ``x > 0``, the
     gradient of both ``out`` and ``res``; it replaces the ReLU's backward and
-    the pass that adds the pool's gradient to ``gx``. Saves ``x``, which the
-    KCLA step saves anyway. CPU float32 channels-last maps of one shape
+    the pass that adds the pool's gradient to ``gx``. Saves the ReLU's mask,
+    one bit per value (``[B, H, W, ceil(C / 8)]`` uint8), not ``x``: the
+    backward pass reads 1/32 of a map instead of one, and ``x`` need not
+    outlive the forward pass (:class:`FusedStep` does not keep it either).
+    CPU float32 channels-last maps of one shape
     (:func:`kcla_mm.ops.kcla.residual_relu_pool_` checks).
     """
 
     @staticmethod
     def forward(ctx, out: Tensor, res: Tensor):
         ctx.set_materialize_grads(False)
-        pooled = torch.ops.kcla_mm.residual_relu_pool_(out, res)
+        pooled, mask = torch.ops.kcla_mm.residual_relu_pool_mask_(out, res)
         ctx.mark_dirty(out)
-        ctx.save_for_backward(out)
+        ctx.save_for_backward(mask)
+        ctx.shape = out.shape
         return out, pooled
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gx: Optional[Tensor], gpooled: Optional[Tensor]):
-        x, = ctx.saved_tensors
+        mask, = ctx.saved_tensors
         if gx is None:
-            gx = torch.zeros_like(x)
+            gx = torch.zeros(ctx.shape, dtype=torch.float32, memory_format=CL)
         g = torch.ops.kcla_mm.relu_pool_backward(
             gx.contiguous(memory_format=CL), None if gpooled is None else gpooled.contiguous(),
-            x)
+            mask)
         return g, g
 
 
@@ -188,7 +204,7 @@ def _param_grad(grad: Tensor, param: Tensor) -> Tensor:
 
 
 def recompute_output(ctx) -> Tensor:
-    """The forward output of a :class:`FusedStep` node, recomputed (one pass)."""
+    """The forward output of a first :class:`FusedStep` (no state), recomputed (one pass)."""
     x, _, mean, wv_weight = ctx.saved_tensors[:4]
     a, shift = ctx.vectors[5:7]
     return torch.ops.kcla_mm.train_apply(x, mean, wv_weight, a, shift)

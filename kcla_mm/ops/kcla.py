@@ -706,15 +706,19 @@ def saved_output_hooks(y: Tensor):
     gradients are those of plain autograd).
 
     Returns a null context where this does not apply: ``y`` is not such an
-    output (eval mode, another operator, ``torch.compile``) or other
-    saved-tensor hooks are active (activation checkpointing, CPU offloading:
-    an inner hook would hide their packing from them).
+    output (eval mode, another operator, ``torch.compile``), the step keeps
+    ``y`` itself (the fused CPU kernels' step with a state, which keeps ``y``
+    instead of its input), or other saved-tensor hooks are active
+    (activation checkpointing, CPU offloading: an inner hook would hide
+    their packing from them).
     """
     if _compiling() or not torch.is_grad_enabled():
         return contextlib.nullcontext()
     node = y.grad_fn
-    if not isinstance(node, (_RecomputedTail._backward_cls,
-                             fused_tail_cpu.FusedStep._backward_cls)):
+    if isinstance(node, fused_tail_cpu.FusedStep._backward_cls):
+        if node.keeps_output:
+            return contextlib.nullcontext()
+    elif not isinstance(node, _RecomputedTail._backward_cls):
         return contextlib.nullcontext()
     top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
     if top is not None and top(False) is not None:

@@ -301,28 +301,46 @@ def _kcla_outputs_alive_after_forward(model, x):
     hooks = [m.register_forward_hook(lambda mod, inp, out: refs.append(weakref.ref(out[0])))
              for m in model.layer_attn_modules()]
     out = model(x)
-    alive = sum(r() is not None for r in refs)
+    alive = [r() is not None for r in refs]
     sum(o.mean() for o in out).backward()
     for h in hooks:
         h.remove()
-    return alive, len(refs)
+    return alive
 
 
 def test_block_inputs_are_recomputed_not_kept(monkeypatch):
-    # the next block's saved copies of a KCLA output are recomputed in the
-    # backward pass: after the forward pass no KCLA output is alive (the
-    # returned stage output is a NCHW copy); recompute_attn_outputs=False
-    # keeps all of them, as does the backbone without the hooks
+    # eager path: the next block's saved copies of a KCLA output are
+    # recomputed in the backward pass: after the forward pass no KCLA output
+    # is alive (the returned stage output is a NCHW copy);
+    # recompute_attn_outputs=False keeps all of them, as does the backbone
+    # without the hooks (all but the last one, which nothing saves)
     import kcla_mm.models.backbones.kcla_resnet as bmod
+    import kcla_mm.ops.kcla as kmod
+    monkeypatch.setattr(kmod, 'FUSED_TRAINING', False)
     model = tiny(depth=50, channels_last=True, norm_eval=False).train()
     x = torch.rand(2, 3, 64, 64)
-    assert _kcla_outputs_alive_after_forward(model, x) == (0, 16)
+    assert _kcla_outputs_alive_after_forward(model, x) == [False] * 16
     model.recompute_attn_outputs = False
-    alive, total = _kcla_outputs_alive_after_forward(model, x)
-    assert alive == total - 1 == 15  # all but the last one, which nothing saves
+    assert _kcla_outputs_alive_after_forward(model, x) == [True] * 15 + [False]
     model.recompute_attn_outputs = True
     monkeypatch.setattr(bmod, 'saved_output_hooks', lambda y: contextlib.nullcontext())
-    assert _kcla_outputs_alive_after_forward(model, x) == (15, 16)
+    assert _kcla_outputs_alive_after_forward(model, x) == [True] * 15 + [False]
+
+
+def test_fused_training_keeps_the_outputs_of_steps_with_a_state():
+    # the fused CPU kernels' steps with a state keep their outputs instead of
+    # their inputs (nothing to recompute: the next block's copies are those
+    # outputs); the first step keeps its input, its state, and its output is
+    # recomputed, unless recompute_attn_outputs=False. (The last output's data
+    # is kept by its own node, which keeps no reference to the tensor object.)
+    from kcla_mm.ops import cpu_kernels
+    if not cpu_kernels.available():
+        pytest.skip('the fused CPU kernels are not built here')
+    model = tiny(depth=50, channels_last=True, norm_eval=False).train()
+    x = torch.rand(2, 3, 64, 64)
+    assert _kcla_outputs_alive_after_forward(model, x) == [False] + [True] * 14 + [False]
+    model.recompute_attn_outputs = False
+    assert _kcla_outputs_alive_after_forward(model, x) == [True] * 15 + [False]
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])

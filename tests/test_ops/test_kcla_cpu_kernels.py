@@ -238,6 +238,48 @@ def test_residual_relu_pool_is_torchs_add_and_relu_and_eval_steps_pool():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize('c', [3, 8, 20, 48, 256])
+def test_relu_masks_are_one_bit_per_value_and_pass_torchs_gradient(c):
+    # residual_relu_pool_mask_: the values and pool of residual_relu_pool_, and
+    # a mask with bit c % 8 of byte c / 8 of each pixel set where not x <= 0
+    # (threshold_backward's test: NaN passes, -0 does not); relu_pool_backward
+    # with it is threshold_backward of gx + gp / (H W), bit for bit. Channel
+    # counts with and without a full vector and a partial byte.
+    ops = torch.ops.kcla_mm
+    g = torch.Generator().manual_seed(c)
+    b, h, w = 2, 5, 7
+    x, res = (cl(torch.randn(b, c, h, w, generator=g)) for _ in range(2))
+    x[0, :3, 0, 0] = torch.tensor([-0.0, float('nan'), 1.0])[:min(c, 3)]
+    res[0, :3, 0, 0] = torch.tensor([-0.0, 1.0, 0.0])[:min(c, 3)]
+    want = x.clone()
+    want_pool = ops.residual_relu_pool_(want, res)
+    got = x.clone()
+    pooled, mask = ops.residual_relu_pool_mask_(got, res)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+    torch.testing.assert_close(pooled, want_pool, rtol=0, atol=0, equal_nan=True)
+    assert mask.dtype == torch.uint8 and mask.shape == (b, h, w, (c + 7) // 8)
+    bits = (mask.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    bits = bits.flatten(-2)[..., :c].permute(0, 3, 1, 2).bool()
+    assert torch.equal(bits, ~(want <= 0))
+    assert not bits[0, 0, 0, 0] and (c < 2 or bits[0, 1, 0, 0])  # -0 blocks, NaN passes
+    gx = cl(torch.randn(b, c, h, w, generator=g))
+    gp = torch.randn(b, c, generator=g)
+    for gpool in (gp, None):
+        ref = gx + gpool.view(b, c, 1, 1) / (h * w) if gpool is not None else gx
+        expect = torch.ops.aten.threshold_backward(ref, want, 0)
+        back = ops.relu_pool_backward(gx, gpool, mask)
+        assert torch.equal(back, expect) and torch.equal(back.signbit(), expect.signbit())
+
+
+def test_relu_pool_backward_names_a_bad_mask():
+    gx = cl(torch.rand(2, 20, 3, 4))
+    with pytest.raises(RuntimeError, match=r'mask must be .*\[2, 3, 4, 3\].*\[2, 3, 4, 2\]'):
+        torch.ops.kcla_mm.relu_pool_backward(gx, None, torch.zeros(2, 3, 4, 2, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match='mask must be .*Float'):
+        torch.ops.kcla_mm.relu_pool_backward(gx, None, gx)
+
+
 @pytest.mark.parametrize('case', ['float64', 'nchw', 'res nchw', 'broadcast'])
 def test_residual_relu_pool_falls_back_to_torch(case):
     x = cl(torch.randn(2, 16, 5, 5))

@@ -118,9 +118,11 @@ def test_training_step_as_accurate_as_the_eager_step(shape, with_state, bn_train
         assert not torch.equal(got['norm.running_mean'], layer.norm.running_mean)
 
 
-def test_backbone_training_step_as_accurate_as_the_recomputed_path(monkeypatch, fused_calls):
+def test_backbone_training_step_as_accurate_as_float64(monkeypatch, fused_calls):
     # every tail of a training backbone, init layers (prev = the adapted state)
-    # included; the next block's saved copy of each output is recomputed.
+    # included; the steps with a state keep their output and take x as out
+    # minus keep relu(o) in the backward pass, the first step (its state is x)
+    # keeps x and its output is recomputed for the next block's saved copy.
     # Reference: the same step in float64 (where the kernels do not apply).
     torch.manual_seed(0)
     model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False,
@@ -145,16 +147,53 @@ def test_backbone_training_step_as_accurate_as_the_recomputed_path(monkeypatch, 
         res.update({n: b for n, b in net.named_buffers() if 'running' in n})
         results.append(res)
         assert len(fused_calls) == (16 if fused else 0)
-    # each output the next block saves is recomputed once, also where conv1 and
-    # the downsample of a stage's first block both saved it (15, not 18)
-    assert len(recomputed) == 15 and len(set(map(id, recomputed))) == 15
-    assert all(getattr(ctx, 'kcla_output', None) is None for ctx in recomputed)  # released
+    # only the first step's output is recomputed, once, and released
+    assert len(recomputed) == 1 and not recomputed[0].keeps_output
+    assert getattr(recomputed[0], 'kcla_output', None) is None
     want, eager, got = results
     assert got.keys() == want.keys() and all(v is not None for v in got.values())
     err_fused, err_eager = relative_errors(got, want), relative_errors(eager, want)
     for k in want:
         assert err_fused[k] <= 4 * err_eager[k] + 1e-5, (k, err_fused[k], err_eager[k])
         assert err_fused[k] < 1e-2, (k, err_fused[k])
+
+
+def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatch):
+    # after the forward pass of a training backbone, the block outputs x (the
+    # ReLU's, KCLA's input) are gone but the first, which is the first state;
+    # each step with a state keeps its output (the next block keeps it anyway),
+    # each block's last ReLU a one-bit mask
+    import weakref
+    torch.manual_seed(0)
+    model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
+    xs, steps = [], []
+    orig = kcla_resnet.residual_relu_pool_
+
+    def spy(out, res):
+        y, p = orig(out, res)
+        xs.append(weakref.ref(y))
+        return y, p
+
+    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    hooks = [m.register_forward_hook(lambda mod, inp, out: steps.append(out[0]))
+             for m in model.layer_attn_modules()]
+    outs = model(torch.rand(2, 3, 64, 64))
+    for h in hooks:
+        h.remove()
+    assert len(xs) == len(steps) == 16
+    assert [r() is not None for r in xs] == [True] + [False] * 15
+    for i, y in enumerate(steps):
+        node = y.grad_fn
+        assert isinstance(node, fused_tail_cpu.FusedStep._backward_cls)
+        assert node.keeps_output is (i > 0)
+        kept = node.saved_tensors[0]
+        assert (kept.data_ptr() == y.data_ptr()) is (i > 0)
+        relu = node.next_functions[0][0]  # x's node
+        assert isinstance(relu, fused_tail_cpu.ResidualReluPool._backward_cls)
+        mask, = relu.saved_tensors
+        b, c, h, w = y.shape
+        assert mask.dtype == torch.uint8 and mask.shape == (b, h, w, c // 8)
+    sum(o.sum() for o in outs).backward()
 
 
 @pytest.mark.parametrize('use_pool', [True, False])
@@ -547,3 +586,21 @@ def test_step_ops_equal_the_ops_they_chain(with_state, bn_train, with_keep):
     assert len(got_g) == len(want_b) + 1
     assert all(torch.equal(u, v) for u, v in zip(got_g[1:9], want_b[1:]))
     assert torch.equal(got_g[0] + got_g[9].div(h * w).view(b, c, 1, 1), want_b[0])
+    # x_is_out (FusedStep with a state): the output in x's place, x taken as
+    # out - relu(a v + shift) recomputed. Only the terms through gbeta (sum of
+    # gm (x - prev)) move, by float rounding; without a state x is not read.
+    # Taking out as x instead would be far off (the check that it is used).
+    by_out = ops.step_backward(gy, gmean, glog_z, got[0], prev, m, p, log_z, wq, wk, inv_tau,
+                               phi, *consts, wv, keep, flat, sc, sums, weight, mu, invstd, a,
+                               shift, bn_train, True, True)
+    exact = (1, 6, 7, 8) if with_state else range(9)  # gprev, gwv, gweight, gbias
+    for i in range(9):
+        if i in exact:
+            assert torch.equal(by_out[i], want_b[i]), i
+        else:
+            torch.testing.assert_close(by_out[i], want_b[i], rtol=1e-5, atol=1e-5, msg=str(i))
+    if with_state:
+        wrong = ops.step_backward(gy, gmean, glog_z, got[0], prev, m, p, log_z, wq, wk, inv_tau,
+                                  phi, *consts, wv, keep, flat, sc, sums, weight, mu, invstd, a,
+                                  shift, bn_train, True, False)
+        assert not torch.allclose(wrong[2], want_b[2], rtol=1e-2, atol=1e-2)

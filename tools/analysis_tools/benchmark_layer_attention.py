@@ -112,7 +112,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--keep-attn-outputs', action='store_true',
                         help='build the backbones with recompute_attn_outputs=False: KCLA\'s '
                         'outputs kept for the backward pass instead of recomputed (more '
-                        'memory, less time)')
+                        'memory, less time; with the fused CPU kernels only the first block\'s '
+                        'output, the others are kept anyway)')
     parser.add_argument('--compile', action='store_true',
                         help='also measure every candidate through torch.compile')
     parser.add_argument('--no-elementwise', action='store_true',
@@ -245,7 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         'of the same depth in this run',
         'KCLA outputs: ' + ('kept for the backward pass (recompute_attn_outputs=False)'
                             if args.keep_attn_outputs else
-                            'recomputed in the backward pass (the default)'),
+                            'recomputed in the backward pass where KCLA keeps its input (the '
+                            'default; the fused CPU kernels keep the outputs but the first)'),
         'KCLA on CPU: ' + (
             'fused CPU kernels (eval: torch.ops.kcla_mm.eval_step; training: train_* and '
             'head_* ops)' if device.type == 'cpu' and cpu_kernels.available() else 'eager ops'),

@@ -102,15 +102,19 @@ class KCLAResNetMixin:
             element-wise state update slow instead. The convolution weights
             are stored channels-last too (loading a checkpoint keeps that).
             Values are unchanged.
-        recompute_attn_outputs: in training, the next block's saved copies
-            of each KCLA output (for its ``conv1`` and downsample backward)
-            are recomputed in the backward pass from what KCLA keeps anyway,
-            instead of kept: one feature map less per block for one more
-            pass over it. ``False`` keeps them: faster, more memory
-            (KCLA-ResNet-50, batch 4, 224x224, 2 CPU threads: peak training
-            memory 561 -> 637 MB, 1.20x -> 1.37x the plain ResNet-50; training
-            step 2-3% faster). Values and gradients are the same either
-            way. No effect in inference, with ``with_cp`` or on other
+        recompute_attn_outputs: in training on the eager path (CUDA, AMP,
+            float64, a CPU without the fused kernels), the next block's saved
+            copies of each KCLA output (for its ``conv1`` and downsample
+            backward) are recomputed in the backward pass from what KCLA
+            keeps anyway (its input and state), instead of kept: one feature
+            map less per block for one more pass over it. ``False`` keeps
+            them: faster, more memory. The fused CPU kernels need neither:
+            there a step keeps its output, which the next block keeps anyway,
+            instead of its input, which it recomputes where needed (and the
+            block's last ReLU keeps a one-bit mask); only the first step,
+            whose input is its state, has its output recomputed, or kept with
+            ``False`` (one stage-1 map). Values and gradients are the same
+            either way. No effect in inference, with ``with_cp`` or on other
             methods.
         **kwargs: the host ResNet's arguments, with their host semantics.
     """

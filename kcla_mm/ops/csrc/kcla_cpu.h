@@ -403,6 +403,51 @@ class StagedRows {
   float* base_;
 };
 
+// -- ReLU masks: one bit per value of a channels-last map --
+// Per pixel mask_bytes(C) bytes; bit c % 8 of byte c / 8 is set where a ReLU
+// passes the gradient: where not x <= 0 (x > 0, or NaN), threshold_backward's
+// test on the ReLU's output. 1/32 of the map: what a residual block's last
+// ReLU needs for its backward pass instead of its output.
+inline int64_t mask_bytes(int64_t C) { return (C + 7) / 8; }
+
+// lane i of v -> bit i: set where not v <= 0
+inline uint32_t relu_bits(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)v, _mm512_setzero_ps(), _CMP_NLE_UQ);
+#elif defined(__AVX__)
+  return static_cast<uint32_t>(
+      _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_setzero_ps(), _CMP_NLE_UQ)));
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < VL; ++i) bits |= static_cast<uint32_t>(!(v[i] <= 0.f)) << i;
+  return bits;
+#endif
+}
+
+// the VL bits of a full vector at channel c0 (a multiple of VL, so of 8)
+inline void store_bits(uint8_t* pixel, int64_t c0, uint32_t bits) {
+  for (int64_t k = 0; k < VL / 8; ++k) pixel[c0 / 8 + k] = static_cast<uint8_t>(bits >> (8 * k));
+}
+inline uint32_t load_bits(const uint8_t* pixel, int64_t c0) {
+  uint32_t bits = 0;
+  for (int64_t k = 0; k < VL / 8; ++k) bits |= static_cast<uint32_t>(pixel[c0 / 8 + k]) << (8 * k);
+  return bits;
+}
+inline bool mask_bit(const uint8_t* pixel, int64_t c) { return (pixel[c / 8] >> (c % 8)) & 1; }
+
+// v in the lanes whose bit is set, +0 in the others
+inline vf select_bits(uint32_t bits, vf v) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_maskz_mov_ps(static_cast<__mmask16>(bits), (__m512)v);
+#else
+  typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+  vi lane{};
+  for (int i = 0; i < VL; ++i) lane[i] = 1 << i;
+  const vi set = ((vi{} + static_cast<int32_t>(bits)) & lane) != 0;
+  return set ? v : vf{};
+#endif
+}
+
 // Pixels per task of the global pool, and per run summed in float before the
 // runs are summed in double. (With runs of 2048 pixels a test's training
 // step flipped a ReLU mask that float64 and ATen's mean, which the training
@@ -414,14 +459,40 @@ constexpr int64_t kPoolRun = 16;
 // What global_pool does to the map as it pools it.
 enum class PoolMode { kRead, kAddRelu };
 
+// one pixel of x <- relu(x + res), its values summed into acc and its ReLU
+// mask written (the values and the sums of global_pool's kAddRelu loop)
+inline void add_relu_mask_pixel(float* r, const float* e, float* acc, uint8_t* mk, int64_t C) {
+  const int64_t cv = C - C % VL;
+  const vf zero = splat(0.f);
+  for (int64_t c0 = 0; c0 < cv; c0 += VL) {
+    const vf u = load(r + c0) + load(e + c0);
+    const vf v = u < zero ? zero : u;
+    store(r + c0, v);
+    store(acc + c0, load(acc + c0) + v);
+    store_bits(mk, c0, relu_bits(v));
+  }
+  if (cv < C) {
+    for (int64_t k = cv / 8; k < mask_bytes(C); ++k) mk[k] = 0;
+    for (int64_t c = cv; c < C; ++c) {
+      const float u = r[c] + e[c];
+      const float v = u < 0.f ? 0.f : u;
+      r[c] = v;
+      acc[c] += v;
+      mk[c / 8] |= static_cast<uint8_t>(!(v <= 0.f)) << (c % 8);
+    }
+  }
+}
+
 // The global average pool of x [B, H, W, C] (channels-last), [B, C] into
 // pooled (float sums of up to pool_chunk pixels, added in double, the mean
 // rounded to float; the kernels' one definition of the pool). kAddRelu: first
 // x <- relu(x + res) in place, in the same pass (the values of torch's
-// x += res; x.relu_(): -0 and NaN kept).
+// x += res; x.relu_(): -0 and NaN kept), and, given mask, its ReLU mask
+// (mask_bytes(C) bytes per pixel).
 template <PoolMode Mode>
 inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*, float*> xp,
-                        const float* res, int64_t B, int64_t HW, int64_t C, float* pooled) {
+                        const float* res, int64_t B, int64_t HW, int64_t C, float* pooled,
+                        uint8_t* mask = nullptr) {
   const int64_t plane = HW * C, chunk = pool_chunk(HW);
   const int64_t nchunks = (HW + chunk - 1) / chunk;
   std::vector<double> partial(B * nchunks * C, 0.0);
@@ -441,6 +512,10 @@ inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*
         const auto r = xp + b * plane + s * C;
         if constexpr (Mode == PoolMode::kAddRelu) {
           const float* e = res + b * plane + s * C;
+          if (mask != nullptr) {
+            add_relu_mask_pixel(r, e, ap, mask + (b * HW + s) * mask_bytes(C), C);
+            continue;
+          }
 #pragma omp simd
           for (int64_t c = 0; c < C; ++c) {
             const float u = r[c] + e[c];

@@ -120,11 +120,11 @@ void adjust_row(const float* src, const float* wa_t, const float* bias, float* o
 // [B, C] float32, as eval_step would compute it: one pass where the block's
 // add, its ReLU and eval_step's pooling took three.
 at::Tensor residual_relu_pool_(at::Tensor x, const at::Tensor& res) {
-  TORCH_CHECK(x.dim() == 4, "kcla_mm residual_relu_pool_: x must be [B, C, H, W], got ",
-              x.sizes());
-  check_map("residual_relu_pool_", x, "x", x.sizes());
-  check_map("residual_relu_pool_", res, "res", x.sizes());
-  TORCH_CHECK(!res.is_same(x), "kcla_mm residual_relu_pool_: res must not be x");
+  const char* op = "residual_relu_pool_";
+  TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
+  check_map(op, x, "x", x.sizes());
+  check_map(op, res, "res", x.sizes());
+  TORCH_CHECK(!res.is_same(x), "kcla_mm ", op, ": res must not be x");
   const int64_t B = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
   at::Tensor pooled = at::empty({B, C}, x.options());
   if (HW > 0)
@@ -133,49 +133,68 @@ at::Tensor residual_relu_pool_(at::Tensor x, const at::Tensor& res) {
   return pooled;
 }
 
-// The backward of residual_relu_pool_ (x its output): the gradient of the sum
-// before the ReLU, 0 where x <= 0, else gx + gp / (H W) (torch's
-// threshold_backward of gx plus the pool's gradient, in one pass; NaN in x
-// passes the gradient, as there); gp [B, C] may be undefined (no gradient
-// reached the pool).
+// The same, and the ReLU's mask for its backward pass (relu_pool_backward):
+// (pooled, mask [B, H, W, ceil(C / 8)] uint8, one bit per value, see
+// mask_bytes), the same values and pool. A training step keeps the mask, 1/32
+// of the map, instead of x.
+std::tuple<at::Tensor, at::Tensor> residual_relu_pool_mask_(at::Tensor x, const at::Tensor& res) {
+  const char* op = "residual_relu_pool_mask_";
+  TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
+  check_map(op, x, "x", x.sizes());
+  check_map(op, res, "res", x.sizes());
+  TORCH_CHECK(!res.is_same(x), "kcla_mm ", op, ": res must not be x");
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  at::Tensor pooled = at::empty({B, C}, x.options());
+  at::Tensor mask = at::empty({B, H, W, mask_bytes(C)}, x.options().dtype(at::kByte));
+  if (H * W > 0)
+    global_pool<PoolMode::kAddRelu>(x.data_ptr<float>(), res.data_ptr<float>(), B, H * W, C,
+                                    pooled.data_ptr<float>(), mask.data_ptr<uint8_t>());
+  return std::make_tuple(pooled, mask);
+}
+
+// The backward of residual_relu_pool_mask_ (mask its ReLU mask): the gradient
+// of the sum before the ReLU, 0 where the mask's bit is clear (x <= 0), else
+// gx + gp / (H W) (torch's threshold_backward of gx plus the pool's gradient,
+// in one pass; NaN in x passed the gradient, as there); gp [B, C] may be
+// undefined (no gradient reached the pool).
 at::Tensor relu_pool_backward(const at::Tensor& gx, const c10::optional<at::Tensor>& gp_opt,
-                              const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 4, "kcla_mm relu_pool_backward: x must be [B, C, H, W], got ",
-              x.sizes());
-  check_map("relu_pool_backward", x, "x", x.sizes());
-  check_map("relu_pool_backward", gx, "gx", x.sizes());
-  const int64_t B = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+                              const at::Tensor& mask) {
+  const char* op = "relu_pool_backward";
+  TORCH_CHECK(gx.dim() == 4, "kcla_mm ", op, ": gx must be [B, C, H, W], got ", gx.sizes());
+  check_map(op, gx, "gx", gx.sizes());
+  const int64_t B = gx.size(0), C = gx.size(1), H = gx.size(2), W = gx.size(3), HW = H * W;
+  const int64_t nb = mask_bytes(C);
+  TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kByte && mask.is_contiguous() &&
+                  mask.sizes() == at::IntArrayRef({B, H, W, nb}),
+              "kcla_mm ", op, ": mask must be residual_relu_pool_mask_'s contiguous uint8 [", B,
+              ", ", H, ", ", W, ", ", nb, "] mask of a map of gx's shape, got ",
+              mask.scalar_type(), " of shape ", mask.sizes());
   const bool has_gp = gp_opt.has_value() && gp_opt->defined();
   std::vector<float> gpd(B * C, 0.f);
   if (has_gp) {
-    const float* gp = param<float>("relu_pool_backward", *gp_opt, B * C, "gp");
+    const float* gp = param<float>(op, *gp_opt, B * C, "gp");
     for (int64_t i = 0; i < B * C; ++i) gpd[i] = gp[i] / static_cast<float>(HW);
   }
-  at::Tensor g = at::empty_like(x);
-  const float* const xp = x.data_ptr<float>();
+  at::Tensor g = at::empty_like(gx);
+  const uint8_t* const mp = mask.data_ptr<uint8_t>();
   const float* const gxp = gx.data_ptr<float>();
   float* const gop = g.data_ptr<float>();
   const int64_t plane = HW * C, rows = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
   const int64_t chunks = (HW + rows - 1) / rows, cv = C - C % VL;
-  // the lane types, not an `omp simd` loop: GCC compiled that to scalar code
-  // reloading the captured pointers after every store (10x slower)
-  auto pixel = [](auto lanes, const float* xr, const float* gr, const float* d, float* o,
-                  int64_t c0, bool with_gp) {
-    using L = decltype(lanes);
-    using V = typename L::V;
-    const V zero = L::splat(0.f), gv = L::load(gr + c0);
-    const V v = with_gp ? gv + L::load(d + c0) : gv;  // no + 0 without gp: keeps -0
-    L::store(o + c0, L::load(xr + c0) <= zero ? zero : v);  // threshold_backward's test
-  };
   at::parallel_for(0, B * chunks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / chunks, s0 = (t % chunks) * rows, s1 = std::min(HW, s0 + rows);
       const float* d = gpd.data() + b * C;
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t o = b * plane + s * C;
-        for (int64_t c0 = 0; c0 < cv; c0 += VL)
-          pixel(VecLanes{}, xp + o, gxp + o, d, gop + o, c0, has_gp);
-        for (int64_t c0 = cv; c0 < C; ++c0) pixel(OneLane{}, xp + o, gxp + o, d, gop + o, c0, has_gp);
+        const uint8_t* mk = mp + (b * HW + s) * nb;
+        // (no + 0 without gp: keeps -0)
+        for (int64_t c0 = 0; c0 < cv; c0 += VL) {
+          const vf v = has_gp ? load(gxp + o + c0) + load(d + c0) : load(gxp + o + c0);
+          store(gop + o + c0, select_bits(load_bits(mk, c0), v));
+        }
+        for (int64_t c = cv; c < C; ++c)
+          gop[o + c] = mask_bit(mk, c) ? (has_gp ? gxp[o + c] + d[c] : gxp[o + c]) : 0.f;
       }
     }
   });
@@ -488,11 +507,13 @@ TORCH_LIBRARY(kcla_mm, m) {
       "Tensor? wk_u, int stride, float clamp, float eps, "
       "bool reuse_prev, bool inplace_out, Tensor? pooled=None) -> (Tensor, Tensor, Tensor)");
   m.def("residual_relu_pool_(Tensor(a!) x, Tensor res) -> Tensor");
-  m.def("relu_pool_backward(Tensor gx, Tensor? gp, Tensor x) -> Tensor");
+  m.def("residual_relu_pool_mask_(Tensor(a!) x, Tensor res) -> (Tensor, Tensor)");
+  m.def("relu_pool_backward(Tensor gx, Tensor? gp, Tensor mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
   m.impl("eval_step", &eval_step);
   m.impl("residual_relu_pool_", &residual_relu_pool_);
+  m.impl("residual_relu_pool_mask_", &residual_relu_pool_mask_);
   m.impl("relu_pool_backward", &relu_pool_backward);
 }

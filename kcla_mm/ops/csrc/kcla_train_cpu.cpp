@@ -315,13 +315,15 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
 // gm = Wv^T gv + gmean; gx = gy + beta gm (gy + gm without prev);
 // gprev = (1 - beta) gm. Returns (gx, gprev or empty, gbeta [B, C] float64 =
 // sum over pixels of gm (x - prev), gwv [C, 9] float64, [B, 2, C] float64 as
-// train_grad_stats).
+// train_grad_stats). x_is_out: x holds the step's output x + relu(a v + shift)
+// instead (what the next block keeps anyway), and x is taken as out minus
+// relu(a v + shift), recomputed (float rounding: |error| <= ulp(out) per value).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_backward(
     const at::Tensor& gy, const c10::optional<at::Tensor>& gmean_opt, const at::Tensor& x,
     const c10::optional<at::Tensor>& prev_opt, const at::Tensor& mean,
     const c10::optional<at::Tensor>& beta_opt, const at::Tensor& wv, const at::Tensor& a,
     const at::Tensor& shift, const c10::optional<at::Tensor>& keep_opt, const at::Tensor& alpha,
-    const at::Tensor& kappa, const at::Tensor& lam) {
+    const at::Tensor& kappa, const at::Tensor& lam, bool x_is_out) {
   const char* op = "train_backward";
   const Maps m = maps_of(op, x);
   const int64_t B = m.B, C = m.C, H = m.H, W = m.W, row = m.row;
@@ -368,6 +370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     std::vector<float> ring_buf(3 * ring_row + 16), red(n_red_f);
     float* ring = ring_buf.data() +
                   ((64 - reinterpret_cast<uintptr_t>(ring_buf.data()) % 64) % 64) / sizeof(float);
+    const bool out_given = x_is_out && has_prev;
     float *r1 = red.data(), *r2 = r1 + C, *gb = r2 + C, *gw = gb + C;
     const int64_t off = b * m.plane, bc = b * C;
     const float* mb = mp + off;
@@ -445,14 +448,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     // transposed convolution span by span into gmv (conv_pixels), then the
     // maps streamed in order
     const int64_t S = span_pixels(C);
-    std::vector<float> gmv(S * C);
+    std::vector<float> gmv(S * C), vsp(out_given ? S * C : 0);
     auto grad_row = [&](int64_t h) {
       const float* rows[3] = {h > 0 ? slot(h - 1) : nullptr, slot(h),
                               h + 1 < H ? slot(h + 1) : nullptr};
       const int64_t ro = off + h * row;
+      const float* m_rows[3] = {mean_row(h - 1), mean_row(h), mean_row(h + 1)};
       for (int64_t w0 = 0; w0 < W; w0 += S) {
         const int64_t n = std::min(S, W - w0);
         conv_pixels(rows, wt_flip.data(), w0, n, W, C, P, gmv.data());
+        // x_is_out: v again, for x = out - relu(a v + shift) (computed here,
+        // not kept from gv_row: any change there made GCC compile relu_grad's
+        // test to other roundings, masks that differed from the forward's;
+        // here the rounding of v only moves x by float rounding)
+        if (out_given) conv_pixels(m_rows, wt.data(), w0, n, W, C, C, vsp.data());
         row_tiles<1>(n, C, [&](auto lanes, auto, int64_t j, int64_t c0) {
           using L = decltype(lanes);
           using V = typename L::V;
@@ -466,7 +475,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
           const V bt = L::load(betap + bc + c0), omb = L::load(one_minus_beta.data() + bc + c0);
           L::store_nt(gxp + o, L::load(gyp + o) + g * bt);
           L::store_nt(gpp + o, g * omb);
-          L::store(gb + c0, L::load(gb + c0) + (L::load(xp + o) - L::load(pp + o)) * g);
+          V xv = L::load(xp + o);
+          if (out_given) {  // x = out - relu(a v + shift), train_apply's addend
+            const V zero = L::splat(0.f),
+                    z = L::load(ap + bc + c0) * L::load(vsp.data() + j * C + c0) +
+                        L::load(sp + bc + c0);
+            xv -= z > zero ? z : zero;
+          }
+          L::store(gb + c0, L::load(gb + c0) + (xv - L::load(pp + o)) * g);
         });
       }
     };
@@ -925,7 +941,7 @@ std::vector<at::Tensor> step_backward(
     const at::Tensor& wv, const c10::optional<at::Tensor>& keep,
     const c10::optional<at::Tensor>& beta, const at::Tensor& scale, const at::Tensor& sums,
     const at::Tensor& weight, const at::Tensor& mu, const at::Tensor& invstd, const at::Tensor& a,
-    const at::Tensor& shift, bool bn_training, bool pool_grad_into_gx) {
+    const at::Tensor& shift, bool bn_training, bool pool_grad_into_gx, bool x_is_out) {
   const Maps m = maps_of("step_backward", x);
   const int64_t count = m.B * m.H * m.W;
   const c10::optional<at::Tensor> stats =
@@ -935,7 +951,8 @@ std::vector<at::Tensor> step_backward(
   std::tie(alpha, kappa, lam, qr) = tail_grad_coeffs(stats, scale, weight, mu, invstd, count);
   at::Tensor gx, gprev, gbeta, gwv, r;
   std::tie(gx, gprev, gbeta, gwv, r) =
-      train_backward(gy, gmean, x, prev, mean, beta, wv, a, shift, keep, alpha, kappa, lam);
+      train_backward(gy, gmean, x, prev, mean, beta, wv, a, shift, keep, alpha, kappa, lam,
+                     x_is_out);
   at::Tensor gweight, gbias, gscale;
   std::tie(gweight, gbias, gscale) = tail_param_grads(r, sums, scale, weight, mu, invstd, qr);
   const bool has_prev = prev.has_value() && prev->defined();
@@ -965,7 +982,8 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
   m.def(
       "train_backward(Tensor gy, Tensor? gmean, Tensor x, Tensor? prev, Tensor mean, "
       "Tensor? beta, Tensor wv, Tensor a, Tensor shift, Tensor? keep, Tensor alpha, "
-      "Tensor kappa, Tensor lam) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor kappa, Tensor lam, bool x_is_out=False) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def(
       "tail_coeffs(Tensor sums, Tensor scale, Tensor? keep, Tensor weight, Tensor bias, "
       "Tensor(a!) running_mean, Tensor(b!) running_var, bool training, float factor, float eps, "
@@ -993,7 +1011,7 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
       "Tensor mean, Tensor p, Tensor? log_z, Tensor wq, Tensor wk, Tensor inv_tau, Tensor phi, "
       "float clamp, float eps, Tensor wv, Tensor? keep, Tensor? beta, Tensor scale, "
       "Tensor sums, Tensor weight, Tensor mu, Tensor invstd, Tensor a, Tensor shift, "
-      "bool bn_training, bool pool_grad_into_gx=True) -> Tensor[]");
+      "bool bn_training, bool pool_grad_into_gx=True, bool x_is_out=False) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
