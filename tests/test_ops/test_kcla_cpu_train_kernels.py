@@ -604,3 +604,28 @@ def test_step_ops_equal_the_ops_they_chain(with_state, bn_train, with_keep):
                                   phi, *consts, wv, keep, flat, sc, sums, weight, mu, invstd, a,
                                   shift, bn_train, True, False)
         assert not torch.allclose(wrong[2], want_b[2], rtol=1e-2, atol=1e-2)
+
+
+def test_train_backward_x_from_out_is_within_rounding_for_any_beta():
+    # x_is_out: x - prev as out - relu(a v + shift) - prev, whatever beta
+    # (near 0 and near 1, full vectors and the channels past them): within
+    # float rounding of x - prev read from x; every other output bit for bit
+    ops = torch.ops.kcla_mm
+    g = torch.Generator().manual_seed(7)
+    b, c, h, w = 2, 40, 6, 5
+    x, prev, gy, gmean = (cl(torch.randn(b, c, h, w, generator=g)) for _ in range(4))
+    u = torch.rand(b, c, generator=g)
+    beta = torch.where(torch.arange(c) < 16, 1e-4 + 0.4 * u, 0.6 + (0.4 - 1e-4) * u)
+    beta[:, 32:] = torch.where(torch.arange(8) % 2 == 0, 1e-4, 1 - 1e-4)
+    wv = torch.randn(c, 1, 3, 3, generator=g)
+    mean, _ = ops.train_stats(x, prev, beta, wv)
+    a, shift = torch.randn(b, c, generator=g), torch.randn(b, c, generator=g)
+    out = ops.train_apply(x, mean, wv, a, shift)
+    alpha, kappa, lam = (torch.randn(b, c, generator=g) for _ in range(3))
+    args = (wv, a, shift, None, alpha, kappa, lam)
+    want = ops.train_backward(gy, gmean, x, prev, mean, beta, *args)
+    got = ops.train_backward(gy, gmean, out, prev, mean, beta, *args, True)
+    for i in (0, 1, 3, 4):  # gx, gprev, gwv, the sums
+        assert torch.equal(got[i], want[i]), i
+    scale = want[2].abs().max().item()
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-5 * scale)
