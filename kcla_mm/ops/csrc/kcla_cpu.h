@@ -459,9 +459,10 @@ constexpr int64_t kPoolRun = 16;
 // What global_pool does to the map as it pools it.
 enum class PoolMode { kRead, kAddRelu };
 
-// one pixel of x <- relu(x + res), its values summed into acc and its ReLU
-// mask written (the values and the sums of global_pool's kAddRelu loop)
-inline void add_relu_mask_pixel(float* r, const float* e, float* acc, uint8_t* mk, int64_t C) {
+// one pixel of x <- relu(x + res) (the values of torch's x += res;
+// x.relu_(): -0 and NaN kept), its values summed into acc and, given mk, its
+// ReLU mask written there
+inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, int64_t C) {
   const int64_t cv = C - C % VL;
   const vf zero = splat(0.f);
   for (int64_t c0 = 0; c0 < cv; c0 += VL) {
@@ -469,26 +470,25 @@ inline void add_relu_mask_pixel(float* r, const float* e, float* acc, uint8_t* m
     const vf v = u < zero ? zero : u;
     store(r + c0, v);
     store(acc + c0, load(acc + c0) + v);
-    store_bits(mk, c0, relu_bits(v));
+    if (mk != nullptr) store_bits(mk, c0, relu_bits(v));
   }
-  if (cv < C) {
+  if (cv == C) return;
+  if (mk != nullptr)
     for (int64_t k = cv / 8; k < mask_bytes(C); ++k) mk[k] = 0;
-    for (int64_t c = cv; c < C; ++c) {
-      const float u = r[c] + e[c];
-      const float v = u < 0.f ? 0.f : u;
-      r[c] = v;
-      acc[c] += v;
-      mk[c / 8] |= static_cast<uint8_t>(!(v <= 0.f)) << (c % 8);
-    }
+  for (int64_t c = cv; c < C; ++c) {
+    const float u = r[c] + e[c];
+    const float v = u < 0.f ? 0.f : u;
+    r[c] = v;
+    acc[c] += v;
+    if (mk != nullptr) mk[c / 8] |= static_cast<uint8_t>(!(v <= 0.f)) << (c % 8);
   }
 }
 
 // The global average pool of x [B, H, W, C] (channels-last), [B, C] into
 // pooled (float sums of up to pool_chunk pixels, added in double, the mean
 // rounded to float; the kernels' one definition of the pool). kAddRelu: first
-// x <- relu(x + res) in place, in the same pass (the values of torch's
-// x += res; x.relu_(): -0 and NaN kept), and, given mask, its ReLU mask
-// (mask_bytes(C) bytes per pixel).
+// x <- relu(x + res) in place, in the same pass (add_relu_pixel), and, given
+// mask, its ReLU mask (mask_bytes(C) bytes per pixel).
 template <PoolMode Mode>
 inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*, float*> xp,
                         const float* res, int64_t B, int64_t HW, int64_t C, float* pooled,
@@ -511,18 +511,8 @@ inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*
         }
         const auto r = xp + b * plane + s * C;
         if constexpr (Mode == PoolMode::kAddRelu) {
-          const float* e = res + b * plane + s * C;
-          if (mask != nullptr) {
-            add_relu_mask_pixel(r, e, ap, mask + (b * HW + s) * mask_bytes(C), C);
-            continue;
-          }
-#pragma omp simd
-          for (int64_t c = 0; c < C; ++c) {
-            const float u = r[c] + e[c];
-            const float v = u < 0.f ? 0.f : u;
-            r[c] = v;
-            ap[c] += v;
-          }
+          add_relu_pixel(r, res + b * plane + s * C, ap,
+                         mask == nullptr ? nullptr : mask + (b * HW + s) * mask_bytes(C), C);
         } else {
 #pragma omp simd
           for (int64_t c = 0; c < C; ++c) ap[c] += r[c];

@@ -118,38 +118,34 @@ void adjust_row(const float* src, const float* wa_t, const float* bias, float* o
 // residual_relu_pool_(x, res): x <- relu(x + res) in place (a residual
 // block's last add and ReLU), returns the global average pool of the result,
 // [B, C] float32, as eval_step would compute it: one pass where the block's
-// add, its ReLU and eval_step's pooling took three.
-at::Tensor residual_relu_pool_(at::Tensor x, const at::Tensor& res) {
-  const char* op = "residual_relu_pool_";
-  TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
-  check_map(op, x, "x", x.sizes());
-  check_map(op, res, "res", x.sizes());
-  TORCH_CHECK(!res.is_same(x), "kcla_mm ", op, ": res must not be x");
-  const int64_t B = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
-  at::Tensor pooled = at::empty({B, C}, x.options());
-  if (HW > 0)
-    global_pool<PoolMode::kAddRelu>(x.data_ptr<float>(), res.data_ptr<float>(), B, HW, C,
-                                    pooled.data_ptr<float>());
-  return pooled;
-}
-
-// The same, and the ReLU's mask for its backward pass (relu_pool_backward):
-// (pooled, mask [B, H, W, ceil(C / 8)] uint8, one bit per value, see
-// mask_bytes), the same values and pool. A training step keeps the mask, 1/32
-// of the map, instead of x.
-std::tuple<at::Tensor, at::Tensor> residual_relu_pool_mask_(at::Tensor x, const at::Tensor& res) {
-  const char* op = "residual_relu_pool_mask_";
+// add, its ReLU and eval_step's pooling took three. With with_mask, also the
+// ReLU's mask for its backward pass (relu_pool_backward): [B, H, W,
+// ceil(C / 8)] uint8, one bit per value (see mask_bytes), else an empty
+// tensor. A training step keeps the mask, 1/32 of the map, instead of x.
+std::tuple<at::Tensor, at::Tensor> add_relu_pool(const char* op, at::Tensor& x,
+                                                 const at::Tensor& res, bool with_mask) {
   TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
   check_map(op, x, "x", x.sizes());
   check_map(op, res, "res", x.sizes());
   TORCH_CHECK(!res.is_same(x), "kcla_mm ", op, ": res must not be x");
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   at::Tensor pooled = at::empty({B, C}, x.options());
-  at::Tensor mask = at::empty({B, H, W, mask_bytes(C)}, x.options().dtype(at::kByte));
+  const auto bytes = x.options().dtype(at::kByte);
+  at::Tensor mask =
+      with_mask ? at::empty({B, H, W, mask_bytes(C)}, bytes) : at::empty({0}, bytes);
   if (H * W > 0)
     global_pool<PoolMode::kAddRelu>(x.data_ptr<float>(), res.data_ptr<float>(), B, H * W, C,
-                                    pooled.data_ptr<float>(), mask.data_ptr<uint8_t>());
+                                    pooled.data_ptr<float>(),
+                                    with_mask ? mask.data_ptr<uint8_t>() : nullptr);
   return std::make_tuple(pooled, mask);
+}
+
+at::Tensor residual_relu_pool_(at::Tensor x, const at::Tensor& res) {
+  return std::get<0>(add_relu_pool("residual_relu_pool_", x, res, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> residual_relu_pool_mask_(at::Tensor x, const at::Tensor& res) {
+  return add_relu_pool("residual_relu_pool_mask_", x, res, true);
 }
 
 // The backward of residual_relu_pool_mask_ (mask its ReLU mask): the gradient
