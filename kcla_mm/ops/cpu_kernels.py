@@ -11,8 +11,11 @@
   (``head_forward``/``head_backward``) and the feature-map part with
   BatchNorm's batch statistics in four passes (``train_stats``,
   ``train_apply``, ``train_grad_stats``, ``train_backward``), and
-  ``step_forward``/``step_backward``, which chain them for one block; the
-  autograd side is :mod:`kcla_mm.ops.fused_tail_cpu`.
+  ``step_forward``/``step_backward``, which chain them for one block, and an
+  init layer's adaptation of the incoming state (``adapt_forward``/
+  ``adapt_backward``: the strided grouped ``adjust``, ``norm_u`` and the
+  pool, two passes each way); the autograd side is
+  :mod:`kcla_mm.ops.fused_tail_cpu`.
 
 Both are compiled with :func:`torch.utils.cpp_extension.load` (needs a C++
 compiler and ``ninja``, which ``tools/setup_env.sh`` installs) into torch's
@@ -47,7 +50,7 @@ _HEADERS = (_CSRC / 'kcla_cpu.h', )
 OPS = ('eval_step', 'residual_relu_pool_', 'residual_relu_pool_mask_', 'relu_pool_backward',
        'train_stats', 'train_apply', 'train_grad_stats', 'train_backward', 'tail_coeffs',
        'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward', 'step_forward',
-       'step_backward')
+       'step_backward', 'adapt_forward', 'adapt_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

@@ -28,6 +28,10 @@ a later block saved it (see :func:`kcla_mm.ops.kcla.saved_output_hooks`).
 Each direction is one call from Python: ``step_forward`` and ``step_backward``
 chain those ops in C++ (a test checks them against the ops called one by one,
 bit for bit), which saves the dispatcher and the small ATen ops between them.
+
+:class:`FusedAdapt` does an init layer's adaptation of the incoming state
+(``norm_u(adjust(mean))`` and its pool, spec section 5) in two passes each way
+(``adapt_forward``/``adapt_backward``).
 """
 from typing import Optional
 
@@ -190,6 +194,72 @@ class ResidualReluPool(torch.autograd.Function):
             gx.contiguous(memory_format=CL), None if gpooled is None else gpooled.contiguous(),
             mask)
         return g, g
+
+
+def adapt_applicable(layer: nn.Module, m: Tensor) -> bool:
+    """Whether :class:`FusedAdapt` adapts ``m`` for the init layer ``layer`` (kernels aside).
+
+    A CPU float32 channels-last state, no autocast, the layer's ``adjust`` a
+    bias-free grouped 1x1 convolution of ``m``'s channels with float32
+    weights, and ``norm_u`` a plain ``BatchNorm2d`` as :func:`applicable`
+    requires of the norm (more than one value per channel in training mode).
+    """
+    adjust, norm = layer.adjust, layer.norm_u
+    if (adjust is None or m.device.type != 'cpu' or m.dtype != torch.float32 or m.dim() != 4
+            or not m.is_contiguous(memory_format=CL) or _cpu_autocast()):
+        return False
+    if (type(adjust) is not nn.Conv2d or adjust.bias is not None or adjust.kernel_size != (1, 1)
+            or adjust.padding != (0, 0) or adjust.dilation != (1, 1)
+            or adjust.stride[0] != adjust.stride[1] or adjust.weight.dtype != torch.float32
+            or adjust.padding_mode != 'zeros' or m.shape[1] != adjust.in_channels):
+        return False
+    if type(norm) is not nn.BatchNorm2d or not norm.affine or norm.running_mean is None:
+        return False
+    if norm.weight.dtype != torch.float32 or norm.running_mean.dtype != torch.float32:
+        return False
+    s = adjust.stride[0]
+    return not norm.training or m.shape[0] * ((m.shape[2] - 1) // s + 1) * (
+        (m.shape[3] - 1) // s + 1) > 1
+
+
+class FusedAdapt(torch.autograd.Function):
+    """An init layer adapting the incoming state by the fused CPU kernels: ``(ubar, pooled)``.
+
+    Inputs: ``layer, m, w, weight, bias`` (the incoming state's mean, the
+    ``adjust`` weight, ``norm_u``'s affine parameters). ``ubar =
+    norm_u(adjust(m))`` (spec section 5; BatchNorm with batch statistics in
+    training mode, updating the running ones as ``nn.BatchNorm2d`` does, once)
+    and its global average pool ``[B, C]``, which the re-keying reads. One node
+    and two passes each way (``adapt_forward``, ``adapt_backward``) for
+    what took the strided grouped convolution, BatchNorm and the pool, forward
+    and backward. Saves ``m`` (which the previous block keeps anyway) and the
+    convolution's output ``y`` (as BatchNorm did).
+    """
+
+    @staticmethod
+    def forward(ctx, layer: nn.Module, m: Tensor, w: Tensor, weight: Tensor, bias: Tensor):
+        ctx.set_materialize_grads(False)
+        norm = layer.norm_u
+        factor = _momentum_factor(norm) if norm.training else 0.0
+        stride = layer.adjust.stride[0]
+        ubar, y, _, pooled, mu, invstd = torch.ops.kcla_mm.adapt_forward(
+            m, w.detach(), stride, weight.detach(), bias.detach(), norm.running_mean,
+            norm.running_var, norm.training, factor, norm.eps)
+        ctx.stride, ctx.bn_training = stride, norm.training
+        ctx.save_for_backward(m, y, w, weight, mu, invstd)
+        return ubar, pooled
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gu: Optional[Tensor], gpooled: Optional[Tensor]):
+        m, y, w, weight, mu, invstd = ctx.saved_tensors
+        gu = torch.zeros_like(y) if gu is None else gu.contiguous(memory_format=CL)
+        if gpooled is not None:
+            gpooled = gpooled.float().contiguous()
+        gm, gw, gweight, gbias = torch.ops.kcla_mm.adapt_backward(
+            gu, gpooled, m, y, w.detach(), ctx.stride, weight.detach(), mu, invstd,
+            ctx.bn_training)
+        return None, gm, _param_grad(gw.to(w.dtype), w), gweight, gbias
 
 
 def _param_grad(grad: Tensor, param: Tensor) -> Tensor:

@@ -210,13 +210,19 @@ class KCLA(nn.Module):
     def renormalize(self, state: KCLAState, x: Tensor) -> KCLAState:
         """Spec section 5: adapt an incoming state and re-key it as one pseudo-layer."""
         ubar = state.mean  # [B, C_prev, H_prev, W_prev] = u / z, no epsilon
+        pooled = None
         if self.adjust is not None:
             if ubar.shape[1] != self.prev_channels:
                 raise ValueError(
                     f'KCLA init layer expects a state of {self.prev_channels} channels, '
                     f'got {ubar.shape[1]}')
-            ubar = self.adjust(ubar)  # [B, C, H, W]
-        ubar = self.norm_u(ubar)
+            if self._fused_adapt(ubar):  # adjust, norm_u and the pool in two passes
+                ubar, pooled = fused_tail_cpu.FusedAdapt.apply(
+                    self, ubar, self.adjust.weight, self.norm_u.weight, self.norm_u.bias)
+            else:
+                ubar = self.norm_u(self.adjust(ubar))  # [B, C, H, W]
+        else:
+            ubar = self.norm_u(ubar)
         if ubar.shape[1:] != x.shape[1:]:
             raise ValueError(
                 f'KCLA init layer: the adapted state has shape {tuple(ubar.shape[1:])} but '
@@ -224,7 +230,7 @@ class KCLA(nn.Module):
                 f'{self.prev_channels} and stride={self.stride}')
         b = ubar.shape[0]
         with torch.autocast(device_type=ubar.device.type, enabled=False):
-            k_u, = eca(global_pool(ubar), self.wk_u)
+            k_u, = eca(global_pool(ubar) if pooled is None else pooled, self.wk_u)
         # u = ubar * z  =>  u / z = ubar
         return KCLAState(ubar, self.logits(k_u.view(b, self.num_heads, self.head_dim)))
 
@@ -371,6 +377,12 @@ class KCLA(nn.Module):
                 and (state is None or state.log_z.dtype == torch.float32)
                 and fused_tail_cpu.applicable(self.norm, x, None if state is None else state.mean,
                                               self.wv.weight)
+                and cpu_kernels.available())
+
+    def _fused_adapt(self, m: Tensor) -> bool:
+        """Whether :class:`~.fused_tail_cpu.FusedAdapt` adapts the incoming mean ``m``."""
+        return (FUSED_TRAINING and torch.is_grad_enabled() and not _compiling()
+                and not torch.jit.is_tracing() and fused_tail_cpu.adapt_applicable(self, m)
                 and cpu_kernels.available())
 
     def _fused_train(self, x: Tensor, state: Optional[KCLAState],

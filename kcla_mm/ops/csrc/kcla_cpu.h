@@ -448,6 +448,109 @@ inline vf select_bits(uint32_t bits, vf v) {
 #endif
 }
 
+// -- grouped 1x1 convolutions of a row (an init layer's ``adjust``) --
+// out[w, g dout + c] = bias[g dout + c] + sum_i wt[g][i][c] * src[w, g di + i]
+// for the W pixels of a row: src pixel w at src + w * src_step (the stride of
+// the convolution times the map's channels), out pixel w at out + w * out_step;
+// G groups of di = Cin / G inputs and dout = Cout / G outputs; wt [G, di, dout]
+// (the weights of a group transposed: its output channels contiguous); bias
+// [Cout], or null for none. With wt the weights in their own layout
+// [G, dout, di] (and di, dout swapped) the same function computes the
+// transposed convolution (the backward pass's gradient of the input).
+
+// NP pixels of group g: NV vectors of outputs each, accumulated in registers.
+template <int NP, int NV>
+inline void grouped_tile(const float* const src[NP], const float* wg, const float* bg,
+                         float* const dst[NP], int64_t di) {
+  vf acc[NP][NV];
+  for (int v = 0; v < NV; ++v) {
+    const vf b = bg != nullptr ? load(bg + v * VL) : splat(0.f);
+    for (int p = 0; p < NP; ++p) acc[p][v] = b;
+  }
+  for (int64_t i = 0; i < di; ++i) {
+    vf wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load(wg + i * NV * VL + v * VL);
+    for (int p = 0; p < NP; ++p) {
+      const vf s = splat(src[p][i]);
+      for (int v = 0; v < NV; ++v) acc[p][v] += s * wv[v];
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < NV; ++v) store(dst[p] + v * VL, acc[p][v]);
+}
+
+template <int NV>
+void grouped_row_vec(const float* src, int64_t src_step, const float* wt, const float* bias,
+                     float* out, int64_t out_step, int64_t W, int64_t Cin, int64_t Cout,
+                     int64_t G) {
+  constexpr int NP = 4;
+  const int64_t di = Cin / G, dout = Cout / G;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* wg = wt + g * di * dout;
+    const float* bg = bias != nullptr ? bias + g * dout : nullptr;
+    int64_t w = 0;
+    for (; w + NP <= W; w += NP) {
+      const float* s[NP];
+      float* d[NP];
+      for (int p = 0; p < NP; ++p) {
+        s[p] = src + (w + p) * src_step + g * di;
+        d[p] = out + (w + p) * out_step + g * dout;
+      }
+      grouped_tile<NP, NV>(s, wg, bg, d, di);
+    }
+    for (; w < W; ++w) {
+      const float* s[1] = {src + w * src_step + g * di};
+      float* d[1] = {out + w * out_step + g * dout};
+      grouped_tile<1, NV>(s, wg, bg, d, di);
+    }
+  }
+}
+
+inline void grouped_row(const float* src, int64_t src_step, const float* wt, const float* bias,
+                        float* out, int64_t out_step, int64_t W, int64_t Cin, int64_t Cout,
+                        int64_t G) {
+  const int64_t di = Cin / G, dout = Cout / G;
+  if (dout % VL == 0 && dout / VL <= 4) {
+    switch (dout / VL) {
+      case 1: return grouped_row_vec<1>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
+      case 2: return grouped_row_vec<2>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
+      case 3: return grouped_row_vec<3>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
+      default: return grouped_row_vec<4>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
+    }
+  }
+  for (int64_t w = 0; w < W; ++w) {
+    const float* s = src + w * src_step;
+    float* o = out + w * out_step;
+    for (int64_t g = 0; g < G; ++g) {
+      float* og = o + g * dout;
+      const float* sg = s + g * di;
+      const float* wg = wt + g * di * dout;  // [di, dout] of group g
+      if (bias != nullptr) {
+        std::memcpy(og, bias + g * dout, dout * sizeof(float));
+      } else {
+        std::fill(og, og + dout, 0.f);
+      }
+      for (int64_t i = 0; i < di; ++i) {
+        const float v = sg[i];
+        const float* wi = wg + i * dout;
+#pragma omp simd
+        for (int64_t c = 0; c < dout; ++c) og[c] += v * wi[c];
+      }
+    }
+  }
+}
+
+// grouped 1x1 weights [Cout, di] (a Conv2d's [Cout, di, 1, 1]) as grouped_row's
+// wt, [G, di, dout]
+inline std::vector<float> grouped_weights_t(const float* w, int64_t Cout, int64_t di, int64_t G) {
+  const int64_t dout = Cout / G;
+  std::vector<float> wt(Cout * di);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < dout; ++c)
+      for (int64_t i = 0; i < di; ++i) wt[(g * di + i) * dout + c] = w[(g * dout + c) * di + i];
+  return wt;
+}
+
 // Pixels per task of the global pool, and per run summed in float before the
 // runs are summed in double. (With runs of 2048 pixels a test's training
 // step flipped a ReLU mask that float64 and ATen's mean, which the training

@@ -31,90 +31,6 @@ namespace {
 
 using namespace kcla_cpu;
 
-// One row of the adapted state of an init layer (spec section 5):
-// ubar[w, c] = bias[c] + sum_i wa[c, i] * src[w * stride, g(c) * di + i]
-// with wa the grouped 1x1 ``adjust`` weights [C, di] already scaled by the
-// folded ``norm_u`` and bias its shift; src is a row of the incoming state.
-// NP pixels of head g: NV vectors of outputs each, accumulated in registers.
-template <int NP, int NV>
-inline void adjust_tile(const float* const src[NP], const float* wg, const float* bg,
-                        float* const dst[NP], int64_t di) {
-  vf acc[NP][NV];
-  for (int v = 0; v < NV; ++v) {
-    const vf b = load(bg + v * VL);
-    for (int p = 0; p < NP; ++p) acc[p][v] = b;
-  }
-  for (int64_t i = 0; i < di; ++i) {
-    vf wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = load(wg + i * NV * VL + v * VL);
-    for (int p = 0; p < NP; ++p) {
-      const vf s = splat(src[p][i]);
-      for (int v = 0; v < NV; ++v) acc[p][v] += s * wv[v];
-    }
-  }
-  for (int p = 0; p < NP; ++p)
-    for (int v = 0; v < NV; ++v) store(dst[p] + v * VL, acc[p][v]);
-}
-
-template <int NV>
-void adjust_row_vec(const float* src, const float* wa_t, const float* bias, float* out,
-                    int64_t W, int64_t C, int64_t Cp, int64_t G, int64_t stride) {
-  constexpr int NP = 4;
-  const int64_t di = Cp / G, dout = C / G;
-  for (int64_t g = 0; g < G; ++g) {
-    const float* wg = wa_t + g * di * dout;
-    int64_t w = 0;
-    for (; w + NP <= W; w += NP) {
-      const float* s[NP];
-      float* d[NP];
-      for (int p = 0; p < NP; ++p) {
-        s[p] = src + (w + p) * stride * Cp + g * di;
-        d[p] = out + (w + p) * C + g * dout;
-      }
-      adjust_tile<NP, NV>(s, wg, bias + g * dout, d, di);
-    }
-    for (; w < W; ++w) {
-      const float* s[1] = {src + w * stride * Cp + g * di};
-      float* d[1] = {out + w * C + g * dout};
-      adjust_tile<1, NV>(s, wg, bias + g * dout, d, di);
-    }
-  }
-}
-
-// One row of the adapted state of an init layer (spec section 5):
-// ubar[w, c] = bias[c] + sum_i wa[c, i] * src[w * stride, g(c) * di + i]
-// with wa the grouped 1x1 ``adjust`` weights already scaled by the folded
-// ``norm_u`` (wa_t: [G, di, dout]) and bias its shift; src is a row of the
-// incoming state.
-void adjust_row(const float* src, const float* wa_t, const float* bias, float* out, int64_t W,
-                int64_t C, int64_t Cp, int64_t G, int64_t stride) {
-  const int64_t di = Cp / G, dout = C / G;
-  if (dout % VL == 0 && dout / VL <= 4) {
-    switch (dout / VL) {
-      case 1: return adjust_row_vec<1>(src, wa_t, bias, out, W, C, Cp, G, stride);
-      case 2: return adjust_row_vec<2>(src, wa_t, bias, out, W, C, Cp, G, stride);
-      case 3: return adjust_row_vec<3>(src, wa_t, bias, out, W, C, Cp, G, stride);
-      default: return adjust_row_vec<4>(src, wa_t, bias, out, W, C, Cp, G, stride);
-    }
-  }
-  for (int64_t w = 0; w < W; ++w) {
-    const float* s = src + w * stride * Cp;
-    float* o = out + w * C;
-    for (int64_t g = 0; g < G; ++g) {
-      float* og = o + g * dout;
-      const float* sg = s + g * di;
-      const float* wg = wa_t + g * di * dout;  // [di, dout] of head g
-      std::memcpy(og, bias + g * dout, dout * sizeof(float));
-      for (int64_t i = 0; i < di; ++i) {
-        const float v = sg[i];
-        const float* wi = wg + i * dout;
-#pragma omp simd
-        for (int64_t c = 0; c < dout; ++c) og[c] += v * wi[c];
-      }
-    }
-  }
-}
-
 // residual_relu_pool_(x, res): x <- relu(x + res) in place (a residual
 // block's last add and ReLU), returns the global average pool of the result,
 // [B, C] float32, as eval_step would compute it: one pass where the block's
@@ -263,17 +179,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
   std::vector<float> wa_t;  // adjust weights per head as [G, di, dout]
   const float *adj_b = nullptr, *wkup = nullptr;
   if (adapt) {
-    const int64_t di = Cp / G, dout = C / G;
+    const int64_t di = Cp / G;
     const float* wa = param<float>("eval_step", *adj_w_opt, C * di, "adj_w");
     TORCH_CHECK(adj_b_opt.has_value() && wk_u_opt.has_value(),
                 "kcla_mm eval_step: adj_w needs adj_b and wk_u");
     adj_b = param<float>("eval_step", *adj_b_opt, C, "adj_b");
     wkup = param<float>("eval_step", *wk_u_opt, K, "wk_u");
-    wa_t.resize(C * di);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < dout; ++c)
-        for (int64_t i = 0; i < di; ++i)
-          wa_t[(g * di + i) * dout + c] = wa[(g * dout + c) * di + i];
+    wa_t = grouped_weights_t(wa, C, di, G);
   }
   const std::vector<float> wt = taps(wvp, C);  // the layout of taps()
   const int64_t HW = H * W, plane = HW * C;
@@ -399,8 +311,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
     const float* bt = beta.data() + b * C;
     const float* xr = xp + b * plane + h * W * C + lo * C;
     if (adapt) {
-      adjust_row(pp + b * pplane + h * stride * prow + lo * stride * Cp, wa_t.data(), adj_b,
-                 scratch + lo * C, hi - lo, C, Cp, G, stride);
+      grouped_row(pp + b * pplane + h * stride * prow + lo * stride * Cp, stride * Cp,
+                  wa_t.data(), adj_b, scratch + lo * C, C, hi - lo, Cp, C, G);
       lerp_row(scratch + lo * C, xr, bt, dst + lo * C, hi - lo, C);
     } else {
       lerp_row(pp + b * plane + h * W * C + lo * C, xr, bt, dst + lo * C, hi - lo, C);

@@ -885,6 +885,301 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tail_param_grads(
   return std::make_tuple(gw, gbias, gscale);
 }
 
+// -- an init layer adapting the incoming state, in training (spec section 5) --
+// y = adjust(m) (a grouped 1x1 convolution with the layer's stride, no bias),
+// ubar = norm_u(y) (BatchNorm: batch statistics in training, which also
+// updates the running ones as nn.BatchNorm2d does, else the running ones),
+// and ubar's global pool, which the re-keying reads; FusedAdapt
+// (kcla_mm/ops/fused_tail_cpu.py) is the autograd side. Forward is two passes
+// over the adapted maps (y and its sums; ubar), backward two (sums of the
+// gradient; the gradients of y, m and the weights), where the eager ops
+// (oneDNN's strided grouped convolution and its backward, BatchNorm, the pool
+// and the add of its gradient) took about a dozen calls.
+
+struct Adapt {
+  int64_t B, Cp, Hp, Wp, C, di, G, dout, stride, H, W;
+};
+
+Adapt adapt_of(const char* op, const at::Tensor& m, const at::Tensor& w, int64_t stride) {
+  TORCH_CHECK(m.dim() == 4, "kcla_mm ", op, ": m must be [B, C_prev, H, W], got ", m.sizes());
+  check_map(op, m, "m", m.sizes());
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == 1 && w.size(3) == 1,
+              "kcla_mm ", op, ": w must be a 1x1 convolution's weight [C, C_prev / G, 1, 1], "
+              "got ", w.sizes());
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "kcla_mm ", op, ": w must be a contiguous CPU float32 tensor, got ",
+              w.scalar_type());
+  TORCH_CHECK(stride >= 1, "kcla_mm ", op, ": stride must be positive, got ", stride);
+  Adapt a;
+  a.B = m.size(0), a.Cp = m.size(1), a.Hp = m.size(2), a.Wp = m.size(3);
+  a.C = w.size(0), a.di = w.size(1);
+  TORCH_CHECK(a.di > 0 && a.Cp % a.di == 0 && a.C % (a.Cp / a.di) == 0, "kcla_mm ", op,
+              ": w of shape ", w.sizes(), " is not a grouped 1x1 convolution of ", a.Cp,
+              " channels");
+  a.G = a.Cp / a.di, a.dout = a.C / a.G, a.stride = stride;
+  a.H = (a.Hp - 1) / stride + 1, a.W = (a.Wp - 1) / stride + 1;
+  return a;
+}
+
+// Returns (ubar, y, sums [B, 2, C] float64 (per sample and channel: sum over
+// pixels of y, of y^2), pooled [B, C] (ubar's global average pool), mu and
+// invstd [C] float64 (the statistics ubar was normalised with)); ubar and y
+// float32 channels-last [B, C, H, W].
+std::vector<at::Tensor> adapt_forward(const at::Tensor& m, const at::Tensor& w, int64_t stride,
+                                      const at::Tensor& weight, const at::Tensor& bias,
+                                      const at::Tensor& running_mean,
+                                      const at::Tensor& running_var, bool training, double factor,
+                                      double eps) {
+  const char* op = "adapt_forward";
+  const Adapt d = adapt_of(op, m, w, stride);
+  const int64_t B = d.B, C = d.C, H = d.H, W = d.W, Cp = d.Cp, HW = H * W;
+  const std::vector<float> wt = grouped_weights_t(w.data_ptr<float>(), C, d.di, d.G);
+  const float* gp = param<float>(op, weight, C, "weight");
+  const float* bp = param<float>(op, bias, C, "bias");
+  param<float>(op, running_mean, C, "running_mean");  // checks
+  param<float>(op, running_var, C, "running_var");
+  float* rm = running_mean.data_ptr<float>();  // updated in place in training
+  float* rv = running_var.data_ptr<float>();
+  TORCH_CHECK(!training || B * HW > 1, "kcla_mm ", op, ": training needs more than one value "
+              "per channel, got ", B * HW);
+  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": eps must be positive, got ", eps);
+  const auto cl = m.options().memory_format(at::MemoryFormat::ChannelsLast);
+  at::Tensor y = at::empty({B, C, H, W}, cl), ubar = at::empty({B, C, H, W}, cl);
+  const float* mp = m.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *up = ubar.data_ptr<float>();
+  const int64_t prow = d.Wp * Cp, pplane = d.Hp * prow, row = W * C, plane = HW * C;
+  // pass 1: y, and per (sample, channel) sums of y and y^2
+  const Bands bands(B, H);
+  std::vector<double> partial(bands.tasks * 2 * C, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    std::vector<float> s1(C), s2(C);
+    double* acc = partial.data() + t * 2 * C;
+    for (int64_t h = h0; h < h1; ++h) {
+      float* yr = yp + b * plane + h * row;
+      grouped_row(mp + b * pplane + h * stride * prow, stride * Cp, wt.data(), nullptr, yr, C,
+                  W, Cp, C, d.G);
+      float *a1 = s1.data(), *a2 = s2.data();
+      for (int64_t x = 0; x < W; ++x) {
+        const float* v = yr + x * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          a1[c] += v[c];
+          a2[c] += v[c] * v[c];
+        }
+      }
+      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(s1, s2, acc);  // every 8 rows
+    }
+  });
+  at::Tensor sums = bands.per_sample_sums(partial, B, 2 * C);  // [B, 2 C]
+  const double* sp = sums.data_ptr<double>();
+  // the statistics (as tail_coeffs computes them), then ubar = a y + sh
+  const at::TensorOptions f64 = m.options().dtype(at::kDouble);
+  at::Tensor mu = at::empty({C}, f64), invstd = at::empty({C}, f64);
+  at::Tensor pooled = at::empty({B, C}, m.options());
+  double *mup = mu.data_ptr<double>(), *isp = invstd.data_ptr<double>();
+  float* pop = pooled.data_ptr<float>();
+  std::vector<float> a(C), sh(C);
+  const double n = static_cast<double>(B * HW);
+  for (int64_t c = 0; c < C; ++c) {
+    double mc, var;
+    if (training) {
+      double t1 = 0, t2 = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        t1 += sp[b * 2 * C + c];
+        t2 += sp[b * 2 * C + C + c];
+      }
+      mc = t1 / n;
+      var = std::max(t2 / n - mc * mc, 0.0);
+      rm[c] = static_cast<float>((1 - factor) * rm[c] + factor * mc);
+      rv[c] = static_cast<float>((1 - factor) * rv[c] + factor * var * n / (n - 1));
+    } else {
+      mc = rm[c];
+      var = rv[c];
+    }
+    mup[c] = mc;
+    isp[c] = 1.0 / std::sqrt(var + eps);
+    const double ac = gp[c] * isp[c], shc = bp[c] - ac * mc;
+    a[c] = static_cast<float>(ac);
+    sh[c] = static_cast<float>(shc);
+    // the pool of ubar = a y + sh is a (the pool of y) + sh
+    for (int64_t b = 0; b < B; ++b)
+      pop[b * C + c] = static_cast<float>(ac * sp[b * 2 * C + c] / static_cast<double>(HW) + shc);
+  }
+  // pass 2: ubar
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    const float *ap = a.data(), *shp = sh.data();
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t x = 0; x < W; ++x) {
+        const float* v = yp + r * row + x * C;
+        float* u = up + r * row + x * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) u[c] = ap[c] * v[c] + shp[c];
+      }
+  });
+  return {ubar, y, sums.view({B, 2, C}), pooled, mu, invstd};
+}
+
+// acc[c, i] += sum over n pixels p of g[p, c] src[p, i] (c < dout, i < NV VL):
+// pixel p of g at g + p * g_step, of src at src + p * src_step; acc [dout, NV VL]
+template <int NV>
+void outer_sums(const float* g, int64_t g_step, const float* src, int64_t src_step, int64_t n,
+                int64_t dout, float* acc) {
+  constexpr int64_t di = NV * VL;
+  constexpr int CB = 4;  // rows of acc held in registers over the pixels
+  int64_t c = 0;
+  for (; c + CB <= dout; c += CB) {
+    vf s[CB][NV];
+    for (int r = 0; r < CB; ++r)
+      for (int v = 0; v < NV; ++v) s[r][v] = load(acc + (c + r) * di + v * VL);
+    for (int64_t p = 0; p < n; ++p) {
+      vf in[NV];
+      for (int v = 0; v < NV; ++v) in[v] = load(src + p * src_step + v * VL);
+      for (int r = 0; r < CB; ++r) {
+        const vf gv = splat(g[p * g_step + c + r]);
+        for (int v = 0; v < NV; ++v) s[r][v] += gv * in[v];
+      }
+    }
+    for (int r = 0; r < CB; ++r)
+      for (int v = 0; v < NV; ++v) store(acc + (c + r) * di + v * VL, s[r][v]);
+  }
+  for (; c < dout; ++c)
+    for (int64_t p = 0; p < n; ++p) {
+      const float gv = g[p * g_step + c];
+      for (int64_t i = 0; i < di; ++i) acc[c * di + i] += gv * src[p * src_step + i];
+    }
+}
+
+// Gradients of adapt_forward: (gm [B, C_prev, H_prev, W_prev] (zero but at the
+// pixels the convolution reads), gw [C, C_prev / G] float64 (tap-free),
+// gweight, gbias [C] float32). gu: ubar's gradient; gpool [B, C] the pool's,
+// or undefined; bn_training: whether forward used batch statistics.
+std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
+                                       const c10::optional<at::Tensor>& gpool_opt,
+                                       const at::Tensor& m, const at::Tensor& y,
+                                       const at::Tensor& w, int64_t stride,
+                                       const at::Tensor& weight, const at::Tensor& mu,
+                                       const at::Tensor& invstd, bool bn_training) {
+  const char* op = "adapt_backward";
+  const Adapt d = adapt_of(op, m, w, stride);
+  const int64_t B = d.B, C = d.C, H = d.H, W = d.W, Cp = d.Cp, di = d.di, dout = d.dout;
+  const int64_t HW = H * W, row = W * C, plane = HW * C, prow = d.Wp * Cp,
+                pplane = d.Hp * prow;
+  const std::vector<int64_t> shape = {B, C, H, W};
+  check_map(op, gu, "gu", shape);
+  check_map(op, y, "y", shape);
+  const float* gpp = opt_param(op, gpool_opt, B * C, "gpool");
+  const float* gam = param<float>(op, weight, C, "weight");
+  const double* mup = param<double>(op, mu, C, "mu");
+  const double* isp = param<double>(op, invstd, C, "invstd");
+  const float *gup = gu.data_ptr<float>(), *yp = y.data_ptr<float>(),
+              *mp = m.data_ptr<float>(), *wp = w.data_ptr<float>();
+  // pass A: per (sample, channel) sums of gu, gu y and y
+  const Bands bands(B, H);
+  std::vector<double> partial(bands.tasks * 3 * C, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    std::vector<float> s(3 * C, 0.f);
+    double* acc = partial.data() + t * 3 * C;
+    float *sg = s.data(), *sgy = sg + C, *sy = sgy + C;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t x = 0; x < W; ++x) {
+        const int64_t o = b * plane + h * row + x * C;
+        const float *gr = gup + o, *yr = yp + o;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          sg[c] += gr[c];
+          sgy[c] += gr[c] * yr[c];
+          sy[c] += yr[c];
+        }
+      }
+      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+        for (int64_t i = 0; i < 3 * C; ++i) acc[i] += s[i];
+        std::fill(s.begin(), s.end(), 0.f);
+      }
+    }
+  });
+  at::Tensor sums = bands.per_sample_sums(partial, B, 3 * C);  // [B, 3 C]
+  const double* sp = sums.data_ptr<double>();
+  // g_y = k1 gu + k0[b] + k2 y (BatchNorm's backward with the pool's gradient folded)
+  const auto f32 = m.options();
+  at::Tensor gweight = at::empty({C}, f32), gbias = at::empty({C}, f32);
+  float *gwt = gweight.data_ptr<float>(), *gbs = gbias.data_ptr<float>();
+  std::vector<float> k1(C), k2(C), k0(B * C);
+  const double n = static_cast<double>(B * HW);
+  for (int64_t c = 0; c < C; ++c) {
+    double sg = 0, sgy = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const double gpb = gpp != nullptr ? gpp[b * C + c] : 0.0;
+      sg += sp[b * 3 * C + c] + gpb;
+      sgy += sp[b * 3 * C + C + c] + gpb * sp[b * 3 * C + 2 * C + c] / static_cast<double>(HW);
+    }
+    const double sgh = isp[c] * (sgy - mup[c] * sg);  // sum of G y_hat
+    gbs[c] = static_cast<float>(sg);
+    gwt[c] = static_cast<float>(sgh);
+    const double a = gam[c] * isp[c];
+    const double q2 = bn_training ? -a * isp[c] * sgh / n : 0.0;
+    const double q0 = bn_training ? -a * sg / n - q2 * mup[c] : 0.0;
+    k1[c] = static_cast<float>(a);
+    k2[c] = static_cast<float>(q2);
+    for (int64_t b = 0; b < B; ++b) {
+      const double gpb = gpp != nullptr ? gpp[b * C + c] : 0.0;
+      k0[b * C + c] = static_cast<float>(a * gpb / static_cast<double>(HW) + q0);
+    }
+  }
+  // pass B: g_y row by row; gm = adjust^T g_y at the pixels read (zero elsewhere); gw
+  at::Tensor gm = at::empty_like(m);
+  float* gmp = gm.data_ptr<float>();
+  const int64_t n_gw = C * di;
+  std::vector<double> gw_partial(bands.tasks * n_gw, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    std::vector<float> gyr(row), acc(n_gw, 0.f);
+    double* dst = gw_partial.data() + t * n_gw;
+    const float *k1p = k1.data(), *k2p = k2.data(), *k0p = k0.data() + b * C;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t x = 0; x < W; ++x) {
+        const int64_t o = b * plane + h * row + x * C;
+        const float *gr = gup + o, *yr = yp + o;
+        float* out = gyr.data() + x * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) out[c] = k1p[c] * gr[c] + k0p[c] + k2p[c] * yr[c];
+      }
+      const int64_t r0 = h * stride, r1 = std::min(d.Hp, r0 + stride);
+      float* gm_row = gmp + b * pplane + r0 * prow;
+      std::memset(gm_row, 0, (r1 - r0) * prow * sizeof(float));
+      // the transposed convolution: w in its own layout [G, dout, di]
+      grouped_row(gyr.data(), C, wp, nullptr, gm_row, stride * Cp, W, C, Cp, d.G);
+      const float* m_row = mp + b * pplane + r0 * prow;
+      for (int64_t g = 0; g < d.G; ++g) {
+        const float* gg = gyr.data() + g * dout;
+        const float* sg = m_row + g * di;
+        float* ag = acc.data() + g * dout * di;
+        if (di == VL) {
+          outer_sums<1>(gg, C, sg, stride * Cp, W, dout, ag);
+        } else if (di == 2 * VL) {
+          outer_sums<2>(gg, C, sg, stride * Cp, W, dout, ag);
+        } else {
+          for (int64_t x = 0; x < W; ++x)
+            for (int64_t c = 0; c < dout; ++c) {
+              const float gv = gg[x * C + c];
+              const float* s = sg + x * stride * Cp;
+              float* a = ag + c * di;
+#pragma omp simd
+              for (int64_t i = 0; i < di; ++i) a[i] += gv * s[i];
+            }
+        }
+      }
+      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+        for (int64_t i = 0; i < n_gw; ++i) dst[i] += acc[i];
+        std::fill(acc.begin(), acc.end(), 0.f);
+      }
+    }
+  });
+  at::Tensor gw = at::zeros({C, di}, m.options().dtype(at::kDouble));
+  double* gwp = gw.data_ptr<double>();
+  for (int64_t t = 0; t < bands.tasks; ++t)  // in task order: the same sums for any thread count
+    for (int64_t i = 0; i < n_gw; ++i) gwp[i] += gw_partial[t * n_gw + i];
+  return {gm, gw, gweight, gbias};
+}
+
 // -- a whole training step in one call each way (fused_tail_cpu.FusedStep) --
 // The ops above in FusedStep's order, called directly: one dispatch from
 // Python per block and direction instead of five or six, and none of the
@@ -1002,6 +1297,13 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
       "Tensor phi, float clamp, float eps, Tensor? gbeta, Tensor? gscale, Tensor? glog_z) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "adapt_forward(Tensor m, Tensor w, int stride, Tensor weight, Tensor bias, "
+      "Tensor(a!) running_mean, Tensor(b!) running_var, bool training, float factor, float eps) "
+      "-> Tensor[]");
+  m.def(
+      "adapt_backward(Tensor gu, Tensor? gpool, Tensor m, Tensor y, Tensor w, int stride, "
+      "Tensor weight, Tensor mu, Tensor invstd, bool bn_training) -> Tensor[]");
+  m.def(
       "step_forward(Tensor x, Tensor? prev, Tensor? log_z, Tensor wq, Tensor wk, "
       "Tensor inv_tau, Tensor phi, float clamp, float eps, Tensor wv, Tensor? keep, "
       "Tensor weight, Tensor bias, Tensor(a!) running_mean, Tensor(b!) running_var, "
@@ -1024,6 +1326,8 @@ TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
   m.impl("tail_param_grads", &tail_param_grads);
   m.impl("head_forward", &head_forward);
   m.impl("head_backward", &head_backward);
+  m.impl("adapt_forward", &adapt_forward);
+  m.impl("adapt_backward", &adapt_backward);
   m.impl("step_forward", &step_forward);
   m.impl("step_backward", &step_backward);
 }
