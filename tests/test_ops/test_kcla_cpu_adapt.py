@@ -138,9 +138,13 @@ def init_step(layer, mean, log_z, x, dtype, fused_training, monkeypatch):
     return res
 
 
-@pytest.mark.parametrize('momentum', [0.1, None])
-def test_init_layer_training_step_adapts_by_the_kernels_as_accurately(momentum, monkeypatch):
+@pytest.mark.parametrize('momentum,norm_u_train', [(0.1, True), (None, True), (0.1, False)])
+def test_init_layer_training_step_adapts_by_the_kernels_as_accurately(
+        momentum, norm_u_train, monkeypatch):
+    # norm_u_train=False: a frozen norm_u (e.g. mmdet's norm_eval) reads its
+    # running statistics and neither updates them nor counts the batch
     layer = make_init_layer(momentum=momentum)
+    layer.norm_u.train(norm_u_train)
     g = torch.Generator().manual_seed(2)
     mean = torch.randn(2, 64, 8, 8, generator=g) + 0.5
     log_z = torch.randn(2, 4, generator=g)  # the previous stage's 4 heads of 16 channels
@@ -160,7 +164,8 @@ def test_init_layer_training_step_adapts_by_the_kernels_as_accurately(momentum, 
             assert got[k] is None, k
             continue
         if 'tracked' in k:  # counted once, as nn.BatchNorm2d counts
-            assert int(got[k]) == int(want[k]) == 1, k
+            expected = 0 if k.startswith('norm_u') and not norm_u_train else 1
+            assert int(got[k]) == int(want[k]) == expected, k
             continue
         err, err32 = relative_error(got[k], want[k]), relative_error(eager32[k], want[k])
         assert err <= 4 * err32 + 1e-5, (k, err, err32)

@@ -749,6 +749,26 @@ Folded folded_of(const char* op, const at::Tensor& scale, const at::Tensor& weig
   return f;
 }
 
+// BatchNorm's mean and 1 / sqrt(var + eps) of one channel: in training those
+// of the batch, from the sums of its n values (s1) and of their squares (s2),
+// with the running statistics rm, rv updated as nn.BatchNorm2d does (in
+// double, stored as float; factor its momentum or the cumulative average's
+// 1 / batches; the variance unbiased); else the running statistics.
+std::pair<double, double> channel_stats(bool training, double s1, double s2, double n,
+                                        double factor, double eps, float& rm, float& rv) {
+  double m, var;
+  if (training) {
+    m = s1 / n;
+    var = std::max(s2 / n - m * m, 0.0);
+    rm = static_cast<float>((1 - factor) * rm + factor * m);
+    rv = static_cast<float>((1 - factor) * rv + factor * var * n / (n - 1));
+  } else {
+    m = rm;
+    var = rv;
+  }
+  return {m, 1.0 / std::sqrt(var + eps)};
+}
+
 // Returns (a, shift [B, C] float32: keep relu(o) = relu(a v + shift), keep >= 0;
 // mu, invstd [C] float64). In training it also updates the running statistics
 // as nn.BatchNorm2d does (in double, stored as float): factor is its momentum,
@@ -779,24 +799,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tail_coeffs(
   float *ap = a.data_ptr<float>(), *shp = shift.data_ptr<float>();
   const double n = static_cast<double>(count);
   for (int64_t c = 0; c < C; ++c) {
-    double m, var;
-    if (training) {  // batch statistics of s = sc v
-      double s1 = 0, s2 = 0;
-      for (int64_t b = 0; b < B; ++b) {
-        const double sc = scp[b * C + c];
-        s1 += sc * sp[(b * 2) * C + c];
-        s2 += sc * sc * sp[(b * 2 + 1) * C + c];
-      }
-      m = s1 / n;
-      var = std::max(s2 / n - m * m, 0.0);
-      rm[c] = static_cast<float>((1 - factor) * rm[c] + factor * m);
-      rv[c] = static_cast<float>((1 - factor) * rv[c] + factor * var * n / (n - 1));
-    } else {
-      m = rm[c];
-      var = rv[c];
+    double s1 = 0, s2 = 0;  // the sums of s = sc v, in training
+    for (int64_t b = 0; b < (training ? B : 0); ++b) {
+      const double sc = scp[b * C + c];
+      s1 += sc * sp[(b * 2) * C + c];
+      s2 += sc * sc * sp[(b * 2 + 1) * C + c];
     }
-    mup[c] = m;
-    isp[c] = 1.0 / std::sqrt(var + eps);
+    std::tie(mup[c], isp[c]) = channel_stats(training, s1, s2, n, factor, eps, rm[c], rv[c]);
+    const double m = mup[c];
     const double p = gp[c] * isp[c];  // d o / d s
     for (int64_t b = 0; b < B; ++b) {
       const double kd = kp ? kp[b] : 1.0;
@@ -972,7 +982,7 @@ std::vector<at::Tensor> adapt_forward(const at::Tensor& m, const at::Tensor& w, 
   });
   at::Tensor sums = bands.per_sample_sums(partial, B, 2 * C);  // [B, 2 C]
   const double* sp = sums.data_ptr<double>();
-  // the statistics (as tail_coeffs computes them), then ubar = a y + sh
+  // the statistics (channel_stats, as for the tail), then ubar = a y + sh
   const at::TensorOptions f64 = m.options().dtype(at::kDouble);
   at::Tensor mu = at::empty({C}, f64), invstd = at::empty({C}, f64);
   at::Tensor pooled = at::empty({B, C}, m.options());
@@ -981,23 +991,13 @@ std::vector<at::Tensor> adapt_forward(const at::Tensor& m, const at::Tensor& w, 
   std::vector<float> a(C), sh(C);
   const double n = static_cast<double>(B * HW);
   for (int64_t c = 0; c < C; ++c) {
-    double mc, var;
-    if (training) {
-      double t1 = 0, t2 = 0;
-      for (int64_t b = 0; b < B; ++b) {
-        t1 += sp[b * 2 * C + c];
-        t2 += sp[b * 2 * C + C + c];
-      }
-      mc = t1 / n;
-      var = std::max(t2 / n - mc * mc, 0.0);
-      rm[c] = static_cast<float>((1 - factor) * rm[c] + factor * mc);
-      rv[c] = static_cast<float>((1 - factor) * rv[c] + factor * var * n / (n - 1));
-    } else {
-      mc = rm[c];
-      var = rv[c];
+    double t1 = 0, t2 = 0;  // the sums of y, in training
+    for (int64_t b = 0; b < (training ? B : 0); ++b) {
+      t1 += sp[b * 2 * C + c];
+      t2 += sp[b * 2 * C + C + c];
     }
-    mup[c] = mc;
-    isp[c] = 1.0 / std::sqrt(var + eps);
+    std::tie(mup[c], isp[c]) = channel_stats(training, t1, t2, n, factor, eps, rm[c], rv[c]);
+    const double mc = mup[c];
     const double ac = gp[c] * isp[c], shc = bp[c] - ac * mc;
     a[c] = static_cast<float>(ac);
     sh[c] = static_cast<float>(shc);
