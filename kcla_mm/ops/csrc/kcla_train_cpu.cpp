@@ -749,6 +749,30 @@ Folded folded_of(const char* op, const at::Tensor& scale, const at::Tensor& weig
   return f;
 }
 
+// A BatchNorm's parameters as the kernels read them, checked: the affine
+// weight and bias [C] and the running statistics [C] (updated in place in
+// training, which needs more than one value per channel: count).
+struct NormArgs {
+  const float *weight, *bias;
+  float *running_mean, *running_var;
+};
+
+NormArgs norm_args(const char* op, const at::Tensor& weight, const at::Tensor& bias,
+                   const at::Tensor& running_mean, const at::Tensor& running_var, int64_t C,
+                   bool training, int64_t count, double eps) {
+  NormArgs n;
+  n.weight = param<float>(op, weight, C, "weight");
+  n.bias = param<float>(op, bias, C, "bias");
+  param<float>(op, running_mean, C, "running_mean");  // checks
+  param<float>(op, running_var, C, "running_var");
+  n.running_mean = running_mean.data_ptr<float>();
+  n.running_var = running_var.data_ptr<float>();
+  TORCH_CHECK(!training || count > 1, "kcla_mm ", op, ": training needs more than one value per "
+              "channel, got ", count);
+  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": eps must be positive, got ", eps);
+  return n;
+}
+
 // BatchNorm's mean and 1 / sqrt(var + eps) of one channel: in training those
 // of the batch, from the sums of its n values (s1) and of their squares (s2),
 // with the running statistics rm, rv updated as nn.BatchNorm2d does (in
@@ -783,15 +807,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tail_coeffs(
   const double* sp = param<double>(op, sums, B * 2 * C, "sums");
   const float* scp = param<float>(op, scale, B * C, "scale");
   const float* kp = opt_param(op, keep_opt, B, "keep");
-  const float* gp = param<float>(op, weight, C, "weight");
-  const float* bp = param<float>(op, bias, C, "bias");
-  param<float>(op, running_mean, C, "running_mean");  // checks
-  param<float>(op, running_var, C, "running_var");
-  float* rm = running_mean.data_ptr<float>();  // updated in place in training
-  float* rv = running_var.data_ptr<float>();
-  TORCH_CHECK(!training || count > 1, "kcla_mm ", op, ": training needs more than one value per "
-              "channel, got ", count);
-  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": eps must be positive, got ", eps);
+  const NormArgs na = norm_args(op, weight, bias, running_mean, running_var, C, training, count,
+                                eps);
+  const float *gp = na.weight, *bp = na.bias;
+  float *rm = na.running_mean, *rv = na.running_var;  // updated in place in training
   const at::TensorOptions f64 = sums.options().dtype(at::kDouble);
   at::Tensor mu = at::empty({C}, f64), invstd = at::empty({C}, f64);
   at::Tensor a = at::empty({B, C}, scale.options()), shift = at::empty({B, C}, scale.options());
@@ -944,15 +963,10 @@ std::vector<at::Tensor> adapt_forward(const at::Tensor& m, const at::Tensor& w, 
   const Adapt d = adapt_of(op, m, w, stride);
   const int64_t B = d.B, C = d.C, H = d.H, W = d.W, Cp = d.Cp, HW = H * W;
   const std::vector<float> wt = grouped_weights_t(w.data_ptr<float>(), C, d.di, d.G);
-  const float* gp = param<float>(op, weight, C, "weight");
-  const float* bp = param<float>(op, bias, C, "bias");
-  param<float>(op, running_mean, C, "running_mean");  // checks
-  param<float>(op, running_var, C, "running_var");
-  float* rm = running_mean.data_ptr<float>();  // updated in place in training
-  float* rv = running_var.data_ptr<float>();
-  TORCH_CHECK(!training || B * HW > 1, "kcla_mm ", op, ": training needs more than one value "
-              "per channel, got ", B * HW);
-  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": eps must be positive, got ", eps);
+  const NormArgs na = norm_args(op, weight, bias, running_mean, running_var, C, training,
+                                B * HW, eps);
+  const float *gp = na.weight, *bp = na.bias;
+  float *rm = na.running_mean, *rv = na.running_var;  // updated in place in training
   const auto cl = m.options().memory_format(at::MemoryFormat::ChannelsLast);
   at::Tensor y = at::empty({B, C, H, W}, cl), ubar = at::empty({B, C, H, W}, cl);
   const float* mp = m.data_ptr<float>();
