@@ -59,14 +59,16 @@ def applicable(norm: nn.Module, x: Tensor, prev: Optional[Tensor], wv_weight: Te
             or not x.is_contiguous(memory_format=CL) or wv_weight.dtype != torch.float32
             or _cpu_autocast()):
         return False
-    if type(norm) is not nn.BatchNorm2d or not norm.affine or norm.running_mean is None:
-        return False
-    if norm.weight.dtype != torch.float32 or norm.running_mean.dtype != torch.float32:
-        return False
-    if norm.training and x.shape[0] * x.shape[2] * x.shape[3] < 2:
+    if not _plain_batchnorm(norm) or (norm.training and x.shape[0] * x.shape[2] * x.shape[3] < 2):
         return False
     return prev is None or (prev.dtype == torch.float32 and prev.shape == x.shape
                             and prev.stride() == x.stride())
+
+
+def _plain_batchnorm(norm: nn.Module) -> bool:
+    """A ``BatchNorm2d`` itself (no subclass), affine, with running statistics, in float32."""
+    return (type(norm) is nn.BatchNorm2d and norm.affine and norm.running_mean is not None
+            and norm.weight.dtype == torch.float32 and norm.running_mean.dtype == torch.float32)
 
 
 def _momentum_factor(norm: nn.BatchNorm2d) -> float:
@@ -213,9 +215,7 @@ def adapt_applicable(layer: nn.Module, m: Tensor) -> bool:
             or adjust.stride[0] != adjust.stride[1] or adjust.weight.dtype != torch.float32
             or adjust.padding_mode != 'zeros' or m.shape[1] != adjust.in_channels):
         return False
-    if type(norm) is not nn.BatchNorm2d or not norm.affine or norm.running_mean is None:
-        return False
-    if norm.weight.dtype != torch.float32 or norm.running_mean.dtype != torch.float32:
+    if not _plain_batchnorm(norm):
         return False
     s = adjust.stride[0]
     return not norm.training or m.shape[0] * ((m.shape[2] - 1) // s + 1) * (
