@@ -249,8 +249,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
                             'recomputed in the backward pass where KCLA keeps its input (the '
                             'default; the fused CPU kernels keep the outputs but the first)'),
         'KCLA on CPU: ' + (
-            'fused CPU kernels (eval: torch.ops.kcla_mm.eval_step; training: train_* and '
-            'head_* ops)' if device.type == 'cpu' and cpu_kernels.available() else 'eager ops'),
+            'fused CPU kernels (eval: torch.ops.kcla_mm.eval_step; training: train_*, head_* '
+            'and, at the init layers, adapt_* ops)' if device.type == 'cpu'
+            and cpu_kernels.available() else 'eager ops'),
     ]
     for line in header:
         print(line)
