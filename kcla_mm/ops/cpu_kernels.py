@@ -48,6 +48,7 @@ _SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
 _HEADERS = (_CSRC / 'kcla_cpu.h', )
 #: the ops the build registers under ``torch.ops.kcla_mm``
 OPS = ('eval_step', 'residual_relu_pool_', 'residual_relu_pool_mask_', 'relu_pool_backward',
+       'residual_bn_relu_pool_',
        'train_stats', 'train_apply', 'train_grad_stats', 'train_backward', 'tail_coeffs',
        'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward', 'step_forward',
        'step_backward', 'adapt_forward', 'adapt_backward')

@@ -455,6 +455,16 @@ def _check_pooled(pooled: Tensor, x: Tensor) -> None:
                          f'of x (on {x.device}), got a {got}')
 
 
+def _fusable_maps(x: Tensor, res: Tensor) -> bool:
+    # the block-end kernels' maps: float32 channels-last CPU maps of one shape
+    return (x.device.type == 'cpu' and x.dtype == torch.float32 and res.device.type == 'cpu'
+            and res.dtype == torch.float32 and x.dim() == 4 and x.shape == res.shape
+            and x.numel() > 0 and x.is_contiguous(memory_format=torch.channels_last)
+            and res.is_contiguous(memory_format=torch.channels_last)
+            and x.data_ptr() != res.data_ptr() and not _compiling()
+            and not torch.jit.is_tracing() and cpu_kernels.available())
+
+
 def residual_relu_pool_(x: Tensor, res: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
     """``x += res; x.relu_()`` (a residual block's end): ``(x, its pool or None)``.
 
@@ -468,17 +478,48 @@ def residual_relu_pool_(x: Tensor, res: Tensor) -> Tuple[Tensor, Optional[Tensor
     gradient is then added in the ReLU's backward pass. Elsewhere it runs the
     two torch ops and returns ``(x, None)``.
     """
-    if (x.device.type == 'cpu' and x.dtype == torch.float32 and res.device.type == 'cpu'
-            and res.dtype == torch.float32 and x.dim() == 4 and x.shape == res.shape
-            and x.numel() > 0 and x.is_contiguous(memory_format=torch.channels_last)
-            and res.is_contiguous(memory_format=torch.channels_last)
-            and x.data_ptr() != res.data_ptr() and not _compiling()
-            and not torch.jit.is_tracing() and cpu_kernels.available()):
+    if _fusable_maps(x, res):
         if torch.is_grad_enabled() and (x.requires_grad or res.requires_grad):
             return fused_tail_cpu.ResidualReluPool.apply(x, res)
         return x, torch.ops.kcla_mm.residual_relu_pool_(x, res)
     x += res
     return x.relu_(), None
+
+
+def _eval_batchnorm(norm: Optional[nn.Module]) -> bool:
+    return norm is not None and fused_tail_cpu._plain_batchnorm(norm) and not norm.training
+
+
+def residual_norm_relu_pool_(x: Tensor, res: Tensor, norm: Optional[nn.Module] = None,
+                             res_norm: Optional[nn.Module] = None
+                             ) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`residual_relu_pool_` of ``norm(x)`` and ``res_norm(res)`` (``None``: as is).
+
+    A residual block's end with its last norm and its shortcut's. Without
+    autograd, where each given norm is an eval-mode ``nn.BatchNorm2d``
+    (affine, running statistics, float32) and the maps are those
+    :func:`residual_relu_pool_` fuses, one kernel
+    (``torch.ops.kcla_mm.residual_bn_relu_pool_``) applies the norms too, in
+    the same pass, with the torch ops' values bit for bit: two passes over
+    the map fewer per norm. ``x`` (the last convolution's output) is
+    overwritten there. Elsewhere the norms run as modules, then
+    :func:`residual_relu_pool_`. The caller checks that skipping the norms'
+    module calls skips no hook.
+    """
+    if (not torch.is_grad_enabled() and _eval_batchnorm(norm)
+            and (res_norm is None or _eval_batchnorm(res_norm)) and _fusable_maps(x, res)):
+        res_args = ((None, None, None, None, 1.0) if res_norm is None else
+                    (res_norm.weight, res_norm.bias, res_norm.running_mean,
+                     res_norm.running_var, res_norm.eps))
+        pooled = torch.ops.kcla_mm.residual_bn_relu_pool_(
+            x, res, norm.weight, norm.bias, norm.running_mean, norm.running_var, norm.eps,
+            *res_args)
+        return x, pooled
+    if norm is not None:
+        x = norm(x)
+    if res_norm is not None:
+        res = res_norm(res)
+    return residual_relu_pool_(x, res)
 
 
 #: use the hand-derived backward of the recomputed tail where it applies

@@ -11,12 +11,14 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 from utils import randomize_norms
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
 from kcla_mm.models.backbones.mmseg_kcla_resnet import KCLAResNetSeg
-from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, residual_relu_pool_
+from kcla_mm.ops import (KCLA, KCLAState, cpu_kernels, residual_norm_relu_pool_,
+                         residual_relu_pool_)
 
 CL = torch.channels_last
 
@@ -314,14 +316,14 @@ def test_backbone_pools_in_each_blocks_last_add_and_relu(build, monkeypatch):
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
     pooled_by = []
-    orig = kcla_resnet.residual_relu_pool_
+    orig = kcla_resnet.residual_norm_relu_pool_
 
-    def spy(out, res):
-        x, p = orig(out, res)
+    def spy(out, res, *norms):
+        x, p = orig(out, res, *norms)
         pooled_by.append(p is not None)
         return x, p
 
-    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
     with torch.no_grad():
         got = model(x)
         assert len(pooled_by) == 16 if model.depth == 50 else 8
@@ -331,7 +333,7 @@ def test_backbone_pools_in_each_blocks_last_add_and_relu(build, monkeypatch):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     monkeypatch.undo()
-    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
     pooled_by.clear()
     seen = []
     model.layer2[0].register_forward_pre_hook(lambda mod, inp: seen.append(1))
@@ -340,6 +342,107 @@ def test_backbone_pools_in_each_blocks_last_add_and_relu(build, monkeypatch):
     assert seen == [1] and len(pooled_by) == (15 if model.depth == 50 else 7)
     for a, b in zip(hooked, want):
         assert torch.equal(a, b)
+
+
+def _eval_bn(c, seed):
+    bn = nn.BatchNorm2d(c).eval()
+    randomize_norms(bn, seed)
+    with torch.no_grad():
+        bn.weight.mul_(torch.randn(c, generator=torch.Generator().manual_seed(seed)).sign())
+    return bn
+
+
+@pytest.mark.parametrize('c', [20, 48, 256])
+@pytest.mark.parametrize('shortcut_norm', [False, True])
+def test_residual_norm_relu_pool_is_the_torch_ops_bit_for_bit(c, shortcut_norm):
+    # relu(bn(x) + bn_res(res)) (or + res): the values of the eval-mode
+    # BatchNorm modules, the add and the ReLU bit for bit, in x, and their pool
+    g = torch.Generator().manual_seed(c)
+    x, res = (cl(torch.randn(2, c, 5, 7, generator=g) * 3) for _ in range(2))
+    norm, res_norm = _eval_bn(c, 1), (_eval_bn(c, 2) if shortcut_norm else None)
+    with torch.no_grad():
+        want = norm(x) + (res_norm(res) if shortcut_norm else res)
+        want.relu_()
+        got = x.clone()
+        out, pooled = residual_norm_relu_pool_(got, res, norm, res_norm)
+    assert out is got and pooled is not None
+    assert torch.equal(got, want)
+    _, want_pool = residual_relu_pool_(want.clone(), torch.zeros_like(want))
+    assert torch.equal(pooled, want_pool)
+
+
+@pytest.mark.parametrize('case', ['grad', 'training', 'no affine', 'subclass'])
+def test_residual_norm_relu_pool_runs_the_modules_where_it_cannot_fold(case):
+    torch.manual_seed(0)
+    x, res = cl(torch.randn(2, 16, 4, 4)), cl(torch.randn(2, 16, 4, 4))
+    norm = _eval_bn(16, 0)
+    if case == 'training':
+        norm.train()
+    elif case == 'no affine':
+        norm = nn.BatchNorm2d(16, affine=False).eval()
+    elif case == 'subclass':
+        norm = nn.SyncBatchNorm(16).eval()
+    calls = []
+    norm.register_forward_hook(lambda *a: calls.append(1))
+    with torch.set_grad_enabled(case == 'grad'):
+        want = (norm(x) + res).relu()
+        calls.clear()
+        got, _ = residual_norm_relu_pool_(x.clone(), res, norm)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_backbone_applies_its_eval_blocks_last_norms_in_one_pass(monkeypatch):
+    # inference: the blocks' last BatchNorms and the downsamples' are not called
+    # as modules (the fused end of the block applies them), with the host's
+    # outputs bit for bit; a hook on one of them keeps its module call
+    torch.manual_seed(0)
+    model = KCLAResNet(depth=50, base_channels=8, head_dim=8).eval()
+    randomize_norms(model)
+    x = torch.rand(2, 3, 64, 64)
+    calls = []
+    orig = nn.BatchNorm2d.forward
+
+    def counting(self, inp):
+        calls.append(self)
+        return orig(self, inp)
+
+    monkeypatch.setattr(nn.BatchNorm2d, 'forward', counting)
+    with torch.no_grad():
+        got = model(x)
+        folded = {id(b.norm3) for b in model.modules() if hasattr(b, 'norm3')}
+        folded |= {id(b.downsample[-1]) for b in model.modules()
+                   if getattr(b, 'downsample', None) is not None}
+        assert len(folded) == 20 and not folded & {id(m) for m in calls}
+        n_fused = len(calls)
+        with monkeypatch.context() as m:
+            m.setattr(type(model), 'replayable_blocks', {})
+            calls.clear()
+            want = model(x)
+        assert len(calls) == n_fused + 20
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        seen = []
+        model.layer3[0].downsample[-1].register_forward_hook(lambda *a: seen.append(1))
+        model.layer1[1].norm3.register_forward_hook(lambda *a: seen.append(1))
+        hooked = model(x)
+    assert seen == [1, 1]
+    for a, b in zip(hooked, want):
+        assert torch.equal(a, b)
+
+
+def test_residual_bn_relu_pool_names_bad_norm_arguments():
+    ops = torch.ops.kcla_mm
+    x, res = cl(torch.rand(2, 8, 3, 3)), cl(torch.rand(2, 8, 3, 3))
+    one, zero = torch.ones(8), torch.zeros(8)
+    with pytest.raises(RuntimeError, match='res_weight, res_bias, res_mean and res_var must be '
+                       'given together.*got 1'):
+        ops.residual_bn_relu_pool_(x, res, one, zero, zero, one, 1e-5, one, None, None, None, 1e-5)
+    with pytest.raises(RuntimeError, match='res_running_var must be .* of 8 elements'):
+        ops.residual_bn_relu_pool_(x, res, one, zero, zero, one, 1e-5, one, zero, zero,
+                                   torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match='eps must be positive, got 0'):
+        ops.residual_bn_relu_pool_(x, res, one, zero, zero, one, 0.0, None, None, None, None, 1.0)
 
 
 def test_kernel_rejects_bad_arguments():

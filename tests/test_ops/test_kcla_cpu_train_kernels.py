@@ -167,14 +167,14 @@ def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatc
     torch.manual_seed(0)
     model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
     xs, steps = [], []
-    orig = kcla_resnet.residual_relu_pool_
+    orig = kcla_resnet.residual_norm_relu_pool_
 
-    def spy(out, res):
-        y, p = orig(out, res)
+    def spy(out, res, *norms):
+        y, p = orig(out, res, *norms)
         xs.append(weakref.ref(y))
         return y, p
 
-    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
     hooks = [m.register_forward_hook(lambda mod, inp, out: steps.append(out[0]))
              for m in model.layer_attn_modules()]
     outs = model(torch.rand(2, 3, 64, 64))
@@ -236,14 +236,14 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, monkeyp
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
     pools = []
-    orig = kcla_resnet.residual_relu_pool_
+    orig = kcla_resnet.residual_norm_relu_pool_
 
-    def spy(out, res):
-        y, p = orig(out, res)
+    def spy(out, res, *norms):
+        y, p = orig(out, res, *norms)
         pools.append(p is not None)
         return y, p
 
-    monkeypatch.setattr(kcla_resnet, 'residual_relu_pool_', spy)
+    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
     results = []
     for replay in (True, False):
         net = copy.deepcopy(model)

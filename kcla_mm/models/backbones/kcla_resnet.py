@@ -16,7 +16,8 @@ import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from torch import Tensor, nn
 
-from ...ops import KCLA, BlockPosition, build_layer_attn, residual_relu_pool_, saved_output_hooks
+from ...ops import (KCLA, BlockPosition, build_layer_attn, residual_norm_relu_pool_,
+                    saved_output_hooks)
 
 DEFAULT_LAYER_ATTN: Mapping = MappingProxyType({'type': 'KCLA'})
 
@@ -274,7 +275,10 @@ class KCLAResNetMixin:
         autograd), this calls the block's modules in the host's order, and
         its final residual add and in-place ReLU are
         :func:`kcla_mm.ops.residual_relu_pool_`, which also pools, in one
-        pass where its kernel applies. Elsewhere the host's forward runs.
+        pass where its kernel applies; without autograd the block's last
+        norm and its shortcut's are passed on to
+        :func:`kcla_mm.ops.residual_norm_relu_pool_`, which applies eval-mode
+        BatchNorms in that pass too. Elsewhere the host's forward runs.
         """
         if (torch.compiler.is_compiling() or torch.jit.is_tracing()
                 or not isinstance(attn, KCLA) or attn.training != torch.is_grad_enabled()):
@@ -288,12 +292,26 @@ class KCLAResNetMixin:
         out = block.relu(block.norm1(block.conv1(x)))
         if kind == 'bottleneck':
             out = block.relu(block.norm2(block.conv2(out)))
-            out = block.norm3(block.conv3(out))
+            out, norm = block.conv3(out), block.norm3
         else:
-            out = block.norm2(block.conv2(out))
+            out, norm = block.conv2(out), block.norm2
+        # without autograd the last norms may be applied by the fused end of
+        # the block (eval-mode BatchNorms; the module calls they skip must
+        # not be hooked), else they run here
+        fold = not torch.is_grad_enabled()
+        if not fold or _any_hooks(norm):
+            out, norm = norm(out), None
+        res_norm = None
         if block.downsample is not None:
-            identity = block.downsample(x)
-        return residual_relu_pool_(out, identity)
+            ds = block.downsample
+            if (fold and type(ds) is nn.Sequential and len(ds) > 1 and not _any_hooks(ds)
+                    and not _any_hooks(ds[-1])):
+                for m in list(ds)[:-1]:
+                    identity = m(identity)
+                res_norm = ds[-1]
+            else:
+                identity = ds(x)
+        return residual_norm_relu_pool_(out, identity, norm, res_norm)
 
     def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module,
                 pooled: Optional[Tensor] = None):

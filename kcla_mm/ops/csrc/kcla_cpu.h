@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -560,16 +561,32 @@ inline int64_t pool_chunk(int64_t HW) { return std::max<int64_t>(1, std::min<int
 constexpr int64_t kPoolRun = 16;
 
 // What global_pool does to the map as it pools it.
-enum class PoolMode { kRead, kAddRelu };
+enum class PoolMode { kRead, kAddRelu, kAffineAddRelu };
+
+// Per-channel affines [C] applied before a residual add: x -> ax x + bx, and
+// res -> ar res + br unless ar is null (res added as it is). An eval-mode
+// BatchNorm's, computed as ATen does (bn_eval_affine).
+struct PreAffine {
+  const float *ax = nullptr, *bx = nullptr, *ar = nullptr, *br = nullptr;
+};
 
 // one pixel of x <- relu(x + res) (the values of torch's x += res;
-// x.relu_(): -0 and NaN kept), its values summed into acc and, given mk, its
-// ReLU mask written there
-inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, int64_t C) {
+// x.relu_(): -0 and NaN kept), or with Affine of x <- relu((ax x + bx) +
+// (ar res + br)) (those of two eval-mode BatchNorms, each one fused
+// multiply-add per value as ATen's, then the add and the ReLU); its values
+// summed into acc and, given mk, its ReLU mask written there
+template <bool Affine = false>
+inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, int64_t C,
+                           const PreAffine& f = PreAffine{}) {
   const int64_t cv = C - C % VL;
   const vf zero = splat(0.f);
   for (int64_t c0 = 0; c0 < cv; c0 += VL) {
-    const vf u = load(r + c0) + load(e + c0);
+    vf x = load(r + c0), res = load(e + c0);
+    if constexpr (Affine) {
+      x = x * load(f.ax + c0) + load(f.bx + c0);
+      if (f.ar != nullptr) res = res * load(f.ar + c0) + load(f.br + c0);
+    }
+    const vf u = x + res;
     const vf v = u < zero ? zero : u;
     store(r + c0, v);
     store(acc + c0, load(acc + c0) + v);
@@ -579,7 +596,12 @@ inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, in
   if (mk != nullptr)
     for (int64_t k = cv / 8; k < mask_bytes(C); ++k) mk[k] = 0;
   for (int64_t c = cv; c < C; ++c) {
-    const float u = r[c] + e[c];
+    float x = r[c], res = e[c];
+    if constexpr (Affine) {
+      x = std::fma(x, f.ax[c], f.bx[c]);
+      if (f.ar != nullptr) res = std::fma(res, f.ar[c], f.br[c]);
+    }
+    const float u = x + res;
     const float v = u < 0.f ? 0.f : u;
     r[c] = v;
     acc[c] += v;
@@ -591,11 +613,12 @@ inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, in
 // pooled (float sums of up to pool_chunk pixels, added in double, the mean
 // rounded to float; the kernels' one definition of the pool). kAddRelu: first
 // x <- relu(x + res) in place, in the same pass (add_relu_pixel), and, given
-// mask, its ReLU mask (mask_bytes(C) bytes per pixel).
+// mask, its ReLU mask (mask_bytes(C) bytes per pixel). kAffineAddRelu: the
+// same with the affines f first (add_relu_pixel<true>).
 template <PoolMode Mode>
 inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*, float*> xp,
                         const float* res, int64_t B, int64_t HW, int64_t C, float* pooled,
-                        uint8_t* mask = nullptr) {
+                        uint8_t* mask = nullptr, const PreAffine& f = PreAffine{}) {
   const int64_t plane = HW * C, chunk = pool_chunk(HW);
   const int64_t nchunks = (HW + chunk - 1) / chunk;
   std::vector<double> partial(B * nchunks * C, 0.0);
@@ -613,9 +636,10 @@ inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*
           std::fill(acc.begin(), acc.end(), 0.f);
         }
         const auto r = xp + b * plane + s * C;
-        if constexpr (Mode == PoolMode::kAddRelu) {
-          add_relu_pixel(r, res + b * plane + s * C, ap,
-                         mask == nullptr ? nullptr : mask + (b * HW + s) * mask_bytes(C), C);
+        if constexpr (Mode != PoolMode::kRead) {
+          add_relu_pixel<Mode == PoolMode::kAffineAddRelu>(
+              r, res + b * plane + s * C, ap,
+              mask == nullptr ? nullptr : mask + (b * HW + s) * mask_bytes(C), C, f);
         } else {
 #pragma omp simd
           for (int64_t c = 0; c < C; ++c) ap[c] += r[c];

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -62,6 +63,73 @@ at::Tensor residual_relu_pool_(at::Tensor x, const at::Tensor& res) {
 
 std::tuple<at::Tensor, at::Tensor> residual_relu_pool_mask_(at::Tensor x, const at::Tensor& res) {
   return add_relu_pool("residual_relu_pool_mask_", x, res, true);
+}
+
+// An eval-mode BatchNorm's per-channel affine [2, C] (alpha, beta), as ATen
+// computes it: in float, alpha = weight / sqrt(var + eps) (the reciprocal of
+// the root, then the product), beta = bias - mean alpha in one fused
+// multiply-add. x alpha + beta, one more, is then that BatchNorm's output bit
+// for bit.
+std::vector<float> bn_eval_affine(const char* op, const char* name, int64_t C,
+                                  const at::Tensor& weight, const at::Tensor& bias,
+                                  const at::Tensor& mean, const at::Tensor& var, double eps) {
+  const std::string n(name);
+  const float* w = param<float>(op, weight, C, (n + "weight").c_str());
+  const float* b = param<float>(op, bias, C, (n + "bias").c_str());
+  const float* m = param<float>(op, mean, C, (n + "running_mean").c_str());
+  const float* v = param<float>(op, var, C, (n + "running_var").c_str());
+  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": ", n, "eps must be positive, got ", eps);
+  std::vector<float> ab(2 * C);
+  const float e = static_cast<float>(eps);
+  for (int64_t c = 0; c < C; ++c) {
+    const float invstd = 1.f / std::sqrt(v[c] + e);
+    ab[c] = invstd * w[c];
+    ab[C + c] = std::fma(-m[c], ab[c], b[c]);
+  }
+  return ab;
+}
+
+// residual_bn_relu_pool_(x, res, <x's BatchNorm>, <res's, optional>): the
+// block's end with its last eval-mode BatchNorm, and the shortcut's where
+// given, applied in the same pass: x <- relu(bn(x) + bn_res(res)) (or +
+// res), the values of the three or four torch ops bit for bit (where the
+// compiler fuses a * b + c, as -march=native builds on x86-64 do); returns
+// the global average pool as residual_relu_pool_. Two transfers of the map
+// fewer per BatchNorm than the host's ops.
+at::Tensor residual_bn_relu_pool_(at::Tensor x, const at::Tensor& res, const at::Tensor& weight,
+                                  const at::Tensor& bias, const at::Tensor& mean,
+                                  const at::Tensor& var, double eps,
+                                  const c10::optional<at::Tensor>& res_weight,
+                                  const c10::optional<at::Tensor>& res_bias,
+                                  const c10::optional<at::Tensor>& res_mean,
+                                  const c10::optional<at::Tensor>& res_var, double res_eps) {
+  const char* op = "residual_bn_relu_pool_";
+  TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
+  check_map(op, x, "x", x.sizes());
+  check_map(op, res, "res", x.sizes());
+  TORCH_CHECK(!res.is_same(x), "kcla_mm ", op, ": res must not be x");
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const std::vector<float> fx = bn_eval_affine(op, "", C, weight, bias, mean, var, eps);
+  const int given = res_weight.has_value() + res_bias.has_value() + res_mean.has_value() +
+                    res_var.has_value();
+  TORCH_CHECK(given == 0 || given == 4, "kcla_mm ", op, ": res_weight, res_bias, res_mean and "
+              "res_var must be given together (res's BatchNorm) or not at all, got ", given,
+              " of them");
+  const std::vector<float> fr =
+      given ? bn_eval_affine(op, "res_", C, *res_weight, *res_bias, *res_mean, *res_var, res_eps)
+            : std::vector<float>();
+  PreAffine f;
+  f.ax = fx.data();
+  f.bx = fx.data() + C;
+  if (given) {
+    f.ar = fr.data();
+    f.br = fr.data() + C;
+  }
+  at::Tensor pooled = at::empty({B, C}, x.options());
+  if (H * W > 0)
+    global_pool<PoolMode::kAffineAddRelu>(x.data_ptr<float>(), res.data_ptr<float>(), B, H * W,
+                                          C, pooled.data_ptr<float>(), nullptr, f);
+  return pooled;
 }
 
 // The backward of residual_relu_pool_mask_ (mask its ReLU mask): the gradient
@@ -417,6 +485,10 @@ TORCH_LIBRARY(kcla_mm, m) {
   m.def("residual_relu_pool_(Tensor(a!) x, Tensor res) -> Tensor");
   m.def("residual_relu_pool_mask_(Tensor(a!) x, Tensor res) -> (Tensor, Tensor)");
   m.def("relu_pool_backward(Tensor gx, Tensor? gp, Tensor mask) -> Tensor");
+  m.def(
+      "residual_bn_relu_pool_(Tensor(a!) x, Tensor res, Tensor weight, Tensor bias, "
+      "Tensor running_mean, Tensor running_var, float eps, Tensor? res_weight, "
+      "Tensor? res_bias, Tensor? res_mean, Tensor? res_var, float res_eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
@@ -424,4 +496,5 @@ TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
   m.impl("residual_relu_pool_", &residual_relu_pool_);
   m.impl("residual_relu_pool_mask_", &residual_relu_pool_mask_);
   m.impl("relu_pool_backward", &relu_pool_backward);
+  m.impl("residual_bn_relu_pool_", &residual_bn_relu_pool_);
 }
