@@ -17,8 +17,7 @@ from utils import randomize_norms
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
 from kcla_mm.models.backbones.mmseg_kcla_resnet import KCLAResNetSeg
-from kcla_mm.ops import (KCLA, KCLAState, cpu_kernels, residual_norm_relu_pool_,
-                         residual_relu_pool_)
+from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, residual_norm_relu_pool_, residual_relu_pool_
 
 CL = torch.channels_last
 
