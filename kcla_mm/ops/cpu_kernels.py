@@ -51,7 +51,8 @@ OPS = ('eval_step', 'residual_relu_pool_', 'residual_relu_pool_mask_', 'relu_poo
        'residual_bn_relu_pool_',
        'train_stats', 'train_apply', 'train_grad_stats', 'train_backward', 'tail_coeffs',
        'tail_grad_coeffs', 'tail_param_grads', 'head_forward', 'head_backward', 'step_forward',
-       'step_backward', 'adapt_forward', 'adapt_backward')
+       'step_backward', 'adapt_forward', 'adapt_backward', 'block_end_forward',
+       'block_end_backward')
 _LOCK = threading.Lock()
 _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 

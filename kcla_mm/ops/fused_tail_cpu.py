@@ -198,6 +198,80 @@ class ResidualReluPool(torch.autograd.Function):
         return g, g
 
 
+class BlockEnd(torch.autograd.Function):
+    """A residual block's end with its norms: ``(relu(norm(x) + res_norm(res)), its pool)``.
+
+    Inputs: ``norm, res_norm, x, res, weight, bias, res_weight, res_bias``
+    (``res_norm`` and its parameters ``None``: ``res`` added as it is). Both
+    norms plain ``BatchNorm2d`` (:func:`_plain_batchnorm`), in training or
+    eval mode (batch statistics, the running ones updated as
+    ``nn.BatchNorm2d`` does, once; or the running ones). One node and one pass
+    over the map after each norm's statistics pass (``block_end_forward``),
+    two passes backward (``block_end_backward``), where the host's BatchNorms,
+    add and ReLU and :class:`ResidualReluPool` took nine (eleven with the
+    shortcut's norm) forward and eight (eleven) backward. Saves what those
+    kept: ``x`` (and ``res`` with its norm; the norms kept their inputs) and
+    the ReLU's one-bit mask. The values are those of the torch ops within
+    float rounding (the batch statistics are summed otherwise): not bit for
+    bit.
+    """
+
+    @staticmethod
+    def forward(ctx, norm: nn.Module, res_norm: Optional[nn.Module], x: Tensor, res: Tensor,
+                weight: Tensor, bias: Tensor, res_weight: Optional[Tensor],
+                res_bias: Optional[Tensor]):
+        ctx.set_materialize_grads(False)
+        factor = _momentum_factor(norm) if norm.training else 0.0
+        if res_norm is None:
+            res_args = (None, None, None, None, False, 0.0, 1.0)
+        else:
+            res_args = (res_weight.detach(), res_bias.detach(), res_norm.running_mean,
+                        res_norm.running_var, res_norm.training,
+                        _momentum_factor(res_norm) if res_norm.training else 0.0, res_norm.eps)
+        out, pooled, mask, mu, invstd, res_mu, res_invstd = torch.ops.kcla_mm.block_end_forward(
+            x, res, weight.detach(), bias.detach(), norm.running_mean, norm.running_var,
+            norm.training, factor, norm.eps, *res_args)
+        ctx.training = norm.training
+        ctx.res_training = res_norm is not None and res_norm.training
+        if res_norm is None:
+            ctx.save_for_backward(mask, x, weight, mu, invstd)
+        else:
+            ctx.save_for_backward(mask, x, weight, mu, invstd, res, res_weight, res_mu,
+                                  res_invstd)
+        return out, pooled
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gout: Optional[Tensor], gpooled: Optional[Tensor]):
+        saved = ctx.saved_tensors
+        mask, x, weight, mu, invstd = saved[:5]
+        res, res_weight, res_mu, res_invstd = saved[5:] if len(saved) > 5 else (None, ) * 4
+        gx, gw, gb, gres, grw, grb = torch.ops.kcla_mm.block_end_backward(
+            None if gout is None else gout.contiguous(memory_format=CL),
+            None if gpooled is None else gpooled.float().contiguous(), mask, x,
+            weight.detach(), mu, invstd, ctx.training, res,
+            None if res_weight is None else res_weight.detach(), res_mu, res_invstd,
+            ctx.res_training)
+        if res is None:
+            grw = grb = None
+        return None, None, gx, gres, gw, gb, grw, grb
+
+
+def block_end_applicable(norm: nn.Module, res_norm: Optional[nn.Module], x: Tensor) -> bool:
+    """Whether :class:`BlockEnd` computes the block's end (the maps checked elsewhere).
+
+    Both norms plain ``BatchNorm2d`` with float32 parameters, no autocast,
+    and in training mode more than one value per channel.
+    """
+    if _cpu_autocast():
+        return False
+    for n in (norm, res_norm):
+        if n is not None and (not _plain_batchnorm(n) or (n.training and x.shape[0] * x.shape[2]
+                                                          * x.shape[3] < 2)):
+            return False
+    return True
+
+
 def adapt_applicable(layer: nn.Module, m: Tensor) -> bool:
     """Whether :class:`FusedAdapt` adapts ``m`` for the init layer ``layer`` (kernels aside).
 

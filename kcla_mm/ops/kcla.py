@@ -495,26 +495,39 @@ def residual_norm_relu_pool_(x: Tensor, res: Tensor, norm: Optional[nn.Module] =
                              ) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`residual_relu_pool_` of ``norm(x)`` and ``res_norm(res)`` (``None``: as is).
 
-    A residual block's end with its last norm and its shortcut's. Without
-    autograd, where each given norm is an eval-mode ``nn.BatchNorm2d``
-    (affine, running statistics, float32) and the maps are those
-    :func:`residual_relu_pool_` fuses, one kernel
-    (``torch.ops.kcla_mm.residual_bn_relu_pool_``) applies the norms too, in
-    the same pass, with the torch ops' values bit for bit: two passes over
-    the map fewer per norm. ``x`` (the last convolution's output) is
-    overwritten there. Elsewhere the norms run as modules, then
-    :func:`residual_relu_pool_`. The caller checks that skipping the norms'
-    module calls skips no hook.
+    A residual block's end with its last norm and its shortcut's. Where
+    each given norm is a plain ``nn.BatchNorm2d`` (affine, running
+    statistics, float32) and the maps are those :func:`residual_relu_pool_`
+    fuses, the norms are applied in that pass too:
+
+    - without autograd, in eval mode: one kernel
+      (``torch.ops.kcla_mm.residual_bn_relu_pool_``) with the torch ops'
+      values bit for bit, two passes over the map fewer per norm; ``x`` (the
+      last convolution's output) is overwritten;
+    - with autograd (``FUSED_TRAINING``, no autocast), in training or eval
+      mode: :class:`~kcla_mm.ops.fused_tail_cpu.BlockEnd`, one node whose
+      values are the torch ops' within float rounding (batch statistics
+      summed otherwise) and whose running statistics are updated as
+      ``nn.BatchNorm2d`` does; it returns a new map and keeps ``x``.
+
+    Elsewhere the norms run as modules, then :func:`residual_relu_pool_`.
+    The caller checks that skipping the norms' module calls skips no hook.
     """
-    if (not torch.is_grad_enabled() and _eval_batchnorm(norm)
-            and (res_norm is None or _eval_batchnorm(res_norm)) and _fusable_maps(x, res)):
-        res_args = ((None, None, None, None, 1.0) if res_norm is None else
-                    (res_norm.weight, res_norm.bias, res_norm.running_mean,
-                     res_norm.running_var, res_norm.eps))
-        pooled = torch.ops.kcla_mm.residual_bn_relu_pool_(
-            x, res, norm.weight, norm.bias, norm.running_mean, norm.running_var, norm.eps,
-            *res_args)
-        return x, pooled
+    if norm is not None and _fusable_maps(x, res):
+        if not torch.is_grad_enabled():
+            if _eval_batchnorm(norm) and (res_norm is None or _eval_batchnorm(res_norm)):
+                res_args = ((None, None, None, None, 1.0) if res_norm is None else
+                            (res_norm.weight, res_norm.bias, res_norm.running_mean,
+                             res_norm.running_var, res_norm.eps))
+                pooled = torch.ops.kcla_mm.residual_bn_relu_pool_(
+                    x, res, norm.weight, norm.bias, norm.running_mean, norm.running_var,
+                    norm.eps, *res_args)
+                return x, pooled
+        elif FUSED_TRAINING and fused_tail_cpu.block_end_applicable(norm, res_norm, x):
+            return fused_tail_cpu.BlockEnd.apply(
+                norm, res_norm, x, res, norm.weight, norm.bias,
+                None if res_norm is None else res_norm.weight,
+                None if res_norm is None else res_norm.bias)
     if norm is not None:
         x = norm(x)
     if res_norm is not None:

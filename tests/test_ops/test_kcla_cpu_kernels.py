@@ -15,6 +15,7 @@ from torch import nn
 from utils import randomize_norms
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
+import kcla_mm.ops.kcla as kcla_ops
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
 from kcla_mm.models.backbones.mmseg_kcla_resnet import KCLAResNetSeg
 from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, residual_norm_relu_pool_, residual_relu_pool_
@@ -370,20 +371,25 @@ def test_residual_norm_relu_pool_is_the_torch_ops_bit_for_bit(c, shortcut_norm):
     assert torch.equal(pooled, want_pool)
 
 
-@pytest.mark.parametrize('case', ['grad', 'training', 'no affine', 'subclass'])
-def test_residual_norm_relu_pool_runs_the_modules_where_it_cannot_fold(case):
+@pytest.mark.parametrize('case', ['training, no grad', 'no affine', 'subclass', 'autocast',
+                                  'fused training off'])
+def test_residual_norm_relu_pool_runs_the_modules_where_it_cannot_fold(case, monkeypatch):
     torch.manual_seed(0)
     x, res = cl(torch.randn(2, 16, 4, 4)), cl(torch.randn(2, 16, 4, 4))
     norm = _eval_bn(16, 0)
-    if case == 'training':
+    grad = case in ('autocast', 'fused training off')
+    if case == 'training, no grad':
         norm.train()
     elif case == 'no affine':
         norm = nn.BatchNorm2d(16, affine=False).eval()
     elif case == 'subclass':
         norm = nn.SyncBatchNorm(16).eval()
+    elif case == 'fused training off':
+        monkeypatch.setattr(kcla_ops, 'FUSED_TRAINING', False)
     calls = []
     norm.register_forward_hook(lambda *a: calls.append(1))
-    with torch.set_grad_enabled(case == 'grad'):
+    autocast = torch.autocast('cpu', dtype=torch.bfloat16, enabled=case == 'autocast')
+    with torch.set_grad_enabled(grad), autocast:
         want = (norm(x) + res).relu()
         calls.clear()
         got, _ = residual_norm_relu_pool_(x.clone(), res, norm)

@@ -13,12 +13,14 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from utils import randomize_norms
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kmod
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
-from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, fused_tail_cpu, residual_relu_pool_
+from kcla_mm.ops import (KCLA, KCLAState, cpu_kernels, fused_tail_cpu, residual_norm_relu_pool_,
+                         residual_relu_pool_)
 
 CL = torch.channels_last
 
@@ -155,7 +157,11 @@ def test_backbone_training_step_as_accurate_as_float64(monkeypatch, fused_calls)
     err_fused, err_eager = relative_errors(got, want), relative_errors(eager, want)
     for k in want:
         assert err_fused[k] <= 4 * err_eager[k] + 1e-5, (k, err_fused[k], err_eager[k])
-        assert err_fused[k] < 1e-2, (k, err_fused[k])
+        # and under 1e-2 where the eager float32 step is well under it (where
+        # rounding flips a ReLU mask, both float32 steps are off about as
+        # much: layer4's BatchNorms see 8 values per channel at this size)
+        if err_eager[k] < 5e-3:
+            assert err_fused[k] < 1e-2, (k, err_fused[k], err_eager[k])
 
 
 def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatch):
@@ -189,8 +195,8 @@ def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatc
         kept = node.saved_tensors[0]
         assert (kept.data_ptr() == y.data_ptr()) is (i > 0)
         relu = node.next_functions[0][0]  # x's node
-        assert isinstance(relu, fused_tail_cpu.ResidualReluPool._backward_cls)
-        mask, = relu.saved_tensors
+        assert isinstance(relu, fused_tail_cpu.BlockEnd._backward_cls)
+        mask = relu.saved_tensors[0]  # (and the norms' inputs, as they kept them)
         b, c, h, w = y.shape
         assert mask.dtype == torch.uint8 and mask.shape == (b, h, w, c // 8)
     sum(o.sum() for o in outs).backward()
@@ -222,12 +228,118 @@ def test_residual_relu_pool_gradients_are_torchs(use_pool):
         assert torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
+def _bn(c, training, seed, momentum=0.1):
+    norm = torch.nn.BatchNorm2d(c, momentum=momentum).train(training)
+    randomize_norms(norm, seed)
+    with torch.no_grad():  # a mean large against the spread, weights of both signs
+        norm.weight.mul_(torch.randn(c, generator=torch.Generator().manual_seed(seed)).sign())
+    return norm
+
+
+@pytest.mark.parametrize('c, hw', [(64, (9, 10)), (20, (5, 6)), (256, (14, 14))])
+@pytest.mark.parametrize('shortcut_norm', [False, True])
+@pytest.mark.parametrize('mode', ['train', 'eval', 'cumulative'])
+@pytest.mark.parametrize('use_pool', [True, False])
+def test_block_end_is_the_torch_ops_within_rounding(c, hw, shortcut_norm, mode, use_pool):
+    # BlockEnd: relu(bn(x) + bn_res(res)) (or + res) and its pool, one node:
+    # values, every gradient and the running statistics (num_batches_tracked,
+    # momentum None: a cumulative average) those of the modules, the add and
+    # the ReLU; the output of eval-mode norms bit for bit (ATen's affine), the
+    # gradient of a plain res bit for bit (relu_pool_backward's)
+    g = torch.Generator().manual_seed(c)
+    training, momentum = mode != 'eval', (None if mode == 'cumulative' else 0.1)
+    norm = _bn(c, training, 1, momentum)
+    res_norm = _bn(c, training, 2, momentum) if shortcut_norm else None
+    ref_norm, ref_res_norm = copy.deepcopy(norm), copy.deepcopy(res_norm)
+    x, res = (cl(torch.randn(3, c, *hw, generator=g) * 2 + 5).requires_grad_() for _ in range(2))
+    w_out, w_pool = torch.randn(3, c, *hw, generator=g), torch.randn(3, c, generator=g)
+    for _ in range(2 if mode == 'cumulative' else 1):
+        out, pooled = residual_norm_relu_pool_(x, res, norm, res_norm)
+        assert isinstance(out.grad_fn, fused_tail_cpu.BlockEnd._backward_cls)
+        x0, r0 = (t.detach().clone().requires_grad_() for t in (x, res))
+        want = (ref_norm(x0) + (ref_res_norm(r0) if shortcut_norm else r0)).relu()
+    loss = (out * w_out).sum() + ((pooled * w_pool).sum() if use_pool else 0)
+    ref = (want * w_out).sum() + ((want.mean((2, 3)) * w_pool).sum() if use_pool else 0)
+    params = [x, res, norm.weight, norm.bias] + (
+        [res_norm.weight, res_norm.bias] if shortcut_norm else [])
+    ref_params = [x0, r0, ref_norm.weight, ref_norm.bias] + (
+        [ref_res_norm.weight, ref_res_norm.bias] if shortcut_norm else [])
+    got_g = torch.autograd.grad(loss, params)
+    want_g = torch.autograd.grad(ref, ref_params)
+    if training:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(out, want)
+    torch.testing.assert_close(pooled, want.mean((2, 3)), rtol=1e-5, atol=1e-5)
+    for i, (a, b) in enumerate(zip(got_g, want_g)):
+        if i == 1 and not shortcut_norm:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    for m, r in ((norm, ref_norm), (res_norm, ref_res_norm)):
+        if m is not None:
+            assert int(m.num_batches_tracked) == int(r.num_batches_tracked)
+            torch.testing.assert_close(m.running_mean, r.running_mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(m.running_var, r.running_var, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('offset', [0.0, 300.0])
+def test_block_end_statistics_hold_where_the_mean_dwarfs_the_spread(offset):
+    # batch statistics from shifted sums: where the mean is 150 times the
+    # standard deviation the output is as close to float64's as ATen's
+    # two-pass statistics get it (closer, measured)
+    g = torch.Generator().manual_seed(3)
+    x = cl(torch.randn(3, 256, 14, 14, generator=g) * 2 + offset)
+    res = cl(torch.randn(3, 256, 14, 14, generator=g))
+    out, _ = residual_norm_relu_pool_(x.requires_grad_(), res, nn.BatchNorm2d(256))
+    with torch.no_grad():
+        aten = (nn.BatchNorm2d(256)(x) + res).relu()
+        exact = (nn.BatchNorm2d(256).double()(x.double()) + res.double()).relu()
+    err, err_aten = ((t.double() - exact).abs().max().item() for t in (out.detach(), aten))
+    assert err <= max(2 * err_aten, 5e-6), (err, err_aten)
+
+
+def test_block_end_ops_name_bad_arguments():
+    ops = torch.ops.kcla_mm
+    x, res = cl(torch.rand(2, 8, 3, 3)), cl(torch.rand(2, 8, 3, 3))
+    one, zero = torch.ones(8), torch.zeros(8)
+    with pytest.raises(RuntimeError, match='res_weight, res_bias, res_mean and res_var must be '
+                       'given together.*got 2'):
+        ops.block_end_forward(x, res, one, zero, zero.clone(), one.clone(), True, 0.1, 1e-5, one,
+                              zero, None, None, True, 0.1, 1e-5)
+    with pytest.raises(RuntimeError, match='training needs more than one value per channel'):
+        ops.block_end_forward(x[:1, :, :1, :1], res[:1, :, :1, :1], one, zero, zero.clone(),
+                              one.clone(), True, 0.1, 1e-5, None, None, None, None, False, 0.0,
+                              1e-5)
+    out, pooled, mask, mu, invstd, _, _ = ops.block_end_forward(
+        x, res, one, zero, zero.clone(), one.clone(), True, 0.1, 1e-5, None, None, None, None,
+        False, 0.0, 1e-5)
+    with pytest.raises(RuntimeError, match=r'mask must be .*\[2, 3, 3, 1\].*\[2, 3, 3, 2\]'):
+        ops.block_end_backward(out, None, torch.zeros(2, 3, 3, 2, dtype=torch.uint8), x, one, mu,
+                               invstd, True, None, None, None, None, False)
+    with pytest.raises(RuntimeError, match='res, res_weight, res_mu and res_invstd must be'):
+        ops.block_end_backward(out, None, mask, x, one, mu, invstd, True, res, None, None, None,
+                               False)
+
+
 @pytest.mark.parametrize('depth', [50, 18])
-def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, monkeypatch):
+@pytest.mark.parametrize('norms', ['modules', 'fused'])
+def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, norms, monkeypatch):
     # with autograd the backbone replays the host's block and pools in its last
     # add and ReLU, the pool's gradient added in the ReLU's backward pass:
     # outputs, every gradient and the running statistics bit for bit those of
-    # the host's block forward
+    # the host's block forward where the block's last norms run as modules;
+    # where BlockEnd applies them (the default), within float rounding
+    if norms == 'modules':
+        monkeypatch.setattr(fused_tail_cpu, 'block_end_applicable', lambda *a: False)
+    ends = []
+    orig_end = fused_tail_cpu.BlockEnd.forward
+
+    def end_spy(ctx, norm, res_norm, *args):
+        ends.append(res_norm is not None)
+        return orig_end(ctx, norm, res_norm, *args)
+
+    monkeypatch.setattr(fused_tail_cpu.BlockEnd, 'forward', staticmethod(end_spy))
     torch.manual_seed(0)
     width = 8 if depth == 50 else 16
     base = dict(base_channels=width, head_dim=width)
@@ -260,10 +372,22 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, monkeyp
             assert pools == [True] * (16 if depth == 50 else 8)
             pools.clear()
     assert pools == []  # the host's forward: not called
+    # every block's end once (the replay's forward), with the downsamples' norms
+    assert len(ends) == (0 if norms == 'modules' else 16 if depth == 50 else 8)
+    assert sum(ends) == (0 if norms == 'modules' else 4 if depth == 50 else 3)
     got, want = results
     assert got.keys() == want.keys()
     for k in want:
-        assert want[k] is not None and torch.equal(got[k], want[k]), k
+        if norms == 'modules' or 'num_batches' in k:
+            assert want[k] is not None and torch.equal(got[k], want[k]), k
+            continue
+        # BlockEnd's own values are checked tightly against the torch ops in
+        # test_block_end_is_the_torch_ops_within_rounding; here outputs and
+        # running statistics are within 1e-4, gradients within 0.1 (a ReLU
+        # mask flipped by rounding, in layer4 whose BatchNorms see 8 values
+        # per channel at this size, moves a weight's gradient by 5%)
+        err = float((got[k] - want[k]).abs().max() / (want[k].abs().max() + 1e-12))
+        assert err < (1e-4 if 'out' in k or 'running' in k else 0.1), (k, err)
 
 
 def test_a_pool_without_the_fold_s_graph_is_not_used_in_training():

@@ -275,9 +275,9 @@ class KCLAResNetMixin:
         autograd), this calls the block's modules in the host's order, and
         its final residual add and in-place ReLU are
         :func:`kcla_mm.ops.residual_relu_pool_`, which also pools, in one
-        pass where its kernel applies; without autograd the block's last
-        norm and its shortcut's are passed on to
-        :func:`kcla_mm.ops.residual_norm_relu_pool_`, which applies eval-mode
+        pass where its kernel applies; the block's last norm and its
+        shortcut's are passed on to
+        :func:`kcla_mm.ops.residual_norm_relu_pool_`, which applies
         BatchNorms in that pass too. Elsewhere the host's forward runs.
         """
         if (torch.compiler.is_compiling() or torch.jit.is_tracing()
@@ -295,16 +295,15 @@ class KCLAResNetMixin:
             out, norm = block.conv3(out), block.norm3
         else:
             out, norm = block.conv2(out), block.norm2
-        # without autograd the last norms may be applied by the fused end of
-        # the block (eval-mode BatchNorms; the module calls they skip must
-        # not be hooked), else they run here
-        fold = not torch.is_grad_enabled()
-        if not fold or _any_hooks(norm):
+        # the last norms may be applied by the fused end of the block (plain
+        # BatchNorms; the module calls they skip must not be hooked), else
+        # they run here
+        if _any_hooks(norm):
             out, norm = norm(out), None
         res_norm = None
         if block.downsample is not None:
             ds = block.downsample
-            if (fold and type(ds) is nn.Sequential and len(ds) > 1 and not _any_hooks(ds)
+            if (type(ds) is nn.Sequential and len(ds) > 1 and not _any_hooks(ds)
                     and not _any_hooks(ds[-1])):
                 for m in list(ds)[:-1]:
                     identity = m(identity)

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -570,14 +571,14 @@ struct PreAffine {
   const float *ax = nullptr, *bx = nullptr, *ar = nullptr, *br = nullptr;
 };
 
-// one pixel of x <- relu(x + res) (the values of torch's x += res;
-// x.relu_(): -0 and NaN kept), or with Affine of x <- relu((ax x + bx) +
-// (ar res + br)) (those of two eval-mode BatchNorms, each one fused
+// one pixel of o <- relu(x + res) (the values of torch's x += res;
+// x.relu_(): -0 and NaN kept; o may be x), or with Affine of o <- relu((ax x
+// + bx) + (ar res + br)) (those of two eval-mode BatchNorms, each one fused
 // multiply-add per value as ATen's, then the add and the ReLU); its values
 // summed into acc and, given mk, its ReLU mask written there
 template <bool Affine = false>
-inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, int64_t C,
-                           const PreAffine& f = PreAffine{}) {
+inline void add_relu_pixel(const float* r, float* o, const float* e, float* acc, uint8_t* mk,
+                           int64_t C, const PreAffine& f = PreAffine{}) {
   const int64_t cv = C - C % VL;
   const vf zero = splat(0.f);
   for (int64_t c0 = 0; c0 < cv; c0 += VL) {
@@ -588,7 +589,7 @@ inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, in
     }
     const vf u = x + res;
     const vf v = u < zero ? zero : u;
-    store(r + c0, v);
+    store(o + c0, v);
     store(acc + c0, load(acc + c0) + v);
     if (mk != nullptr) store_bits(mk, c0, relu_bits(v));
   }
@@ -603,7 +604,7 @@ inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, in
     }
     const float u = x + res;
     const float v = u < 0.f ? 0.f : u;
-    r[c] = v;
+    o[c] = v;
     acc[c] += v;
     if (mk != nullptr) mk[c / 8] |= static_cast<uint8_t>(!(v <= 0.f)) << (c % 8);
   }
@@ -614,11 +615,13 @@ inline void add_relu_pixel(float* r, const float* e, float* acc, uint8_t* mk, in
 // rounded to float; the kernels' one definition of the pool). kAddRelu: first
 // x <- relu(x + res) in place, in the same pass (add_relu_pixel), and, given
 // mask, its ReLU mask (mask_bytes(C) bytes per pixel). kAffineAddRelu: the
-// same with the affines f first (add_relu_pixel<true>).
+// same with the affines f first (add_relu_pixel<true>). Given out, the result
+// goes there instead of into x.
 template <PoolMode Mode>
 inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*, float*> xp,
                         const float* res, int64_t B, int64_t HW, int64_t C, float* pooled,
-                        uint8_t* mask = nullptr, const PreAffine& f = PreAffine{}) {
+                        uint8_t* mask = nullptr, const PreAffine& f = PreAffine{},
+                        float* out = nullptr) {
   const int64_t plane = HW * C, chunk = pool_chunk(HW);
   const int64_t nchunks = (HW + chunk - 1) / chunk;
   std::vector<double> partial(B * nchunks * C, 0.0);
@@ -638,7 +641,7 @@ inline void global_pool(std::conditional_t<Mode == PoolMode::kRead, const float*
         const auto r = xp + b * plane + s * C;
         if constexpr (Mode != PoolMode::kRead) {
           add_relu_pixel<Mode == PoolMode::kAffineAddRelu>(
-              r, res + b * plane + s * C, ap,
+              r, out == nullptr ? r : out + b * plane + s * C, res + b * plane + s * C, ap,
               mask == nullptr ? nullptr : mask + (b * HW + s) * mask_bytes(C), C, f);
         } else {
 #pragma omp simd
@@ -682,6 +685,30 @@ const T* param(const char* op, const at::Tensor& t, int64_t n, const char* name)
               c10::CppTypeToScalarType<T>::value, " tensor of ", n, " elements, got ",
               t.scalar_type(), " of shape ", t.sizes());
   return t.data_ptr<T>();
+}
+
+// An eval-mode BatchNorm's per-channel affine [2, C] (alpha, beta), as ATen
+// computes it: in float, alpha = weight / sqrt(var + eps) (the reciprocal of
+// the root, then the product), beta = bias - mean alpha in one fused
+// multiply-add. x alpha + beta, one more, is then that BatchNorm's output bit
+// for bit.
+inline std::vector<float> bn_eval_affine(const char* op, const char* name, int64_t C,
+                                  const at::Tensor& weight, const at::Tensor& bias,
+                                  const at::Tensor& mean, const at::Tensor& var, double eps) {
+  const std::string n(name);
+  const float* w = param<float>(op, weight, C, (n + "weight").c_str());
+  const float* b = param<float>(op, bias, C, (n + "bias").c_str());
+  const float* m = param<float>(op, mean, C, (n + "running_mean").c_str());
+  const float* v = param<float>(op, var, C, (n + "running_var").c_str());
+  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": ", n, "eps must be positive, got ", eps);
+  std::vector<float> ab(2 * C);
+  const float e = static_cast<float>(eps);
+  for (int64_t c = 0; c < C; ++c) {
+    const float invstd = 1.f / std::sqrt(v[c] + e);
+    ab[c] = invstd * w[c];
+    ab[C + c] = std::fma(-m[c], ab[c], b[c]);
+  }
+  return ab;
 }
 
 // Bands of rows per sample, so that small batches use every thread: returns

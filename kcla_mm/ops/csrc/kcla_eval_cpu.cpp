@@ -65,30 +65,6 @@ std::tuple<at::Tensor, at::Tensor> residual_relu_pool_mask_(at::Tensor x, const 
   return add_relu_pool("residual_relu_pool_mask_", x, res, true);
 }
 
-// An eval-mode BatchNorm's per-channel affine [2, C] (alpha, beta), as ATen
-// computes it: in float, alpha = weight / sqrt(var + eps) (the reciprocal of
-// the root, then the product), beta = bias - mean alpha in one fused
-// multiply-add. x alpha + beta, one more, is then that BatchNorm's output bit
-// for bit.
-std::vector<float> bn_eval_affine(const char* op, const char* name, int64_t C,
-                                  const at::Tensor& weight, const at::Tensor& bias,
-                                  const at::Tensor& mean, const at::Tensor& var, double eps) {
-  const std::string n(name);
-  const float* w = param<float>(op, weight, C, (n + "weight").c_str());
-  const float* b = param<float>(op, bias, C, (n + "bias").c_str());
-  const float* m = param<float>(op, mean, C, (n + "running_mean").c_str());
-  const float* v = param<float>(op, var, C, (n + "running_var").c_str());
-  TORCH_CHECK(eps > 0, "kcla_mm ", op, ": ", n, "eps must be positive, got ", eps);
-  std::vector<float> ab(2 * C);
-  const float e = static_cast<float>(eps);
-  for (int64_t c = 0; c < C; ++c) {
-    const float invstd = 1.f / std::sqrt(v[c] + e);
-    ab[c] = invstd * w[c];
-    ab[C + c] = std::fma(-m[c], ab[c], b[c]);
-  }
-  return ab;
-}
-
 // residual_bn_relu_pool_(x, res, <x's BatchNorm>, <res's, optional>): the
 // block's end with its last eval-mode BatchNorm, and the shortcut's where
 // given, applied in the same pass: x <- relu(bn(x) + bn_res(res)) (or +

@@ -774,16 +774,20 @@ NormArgs norm_args(const char* op, const at::Tensor& weight, const at::Tensor& b
 }
 
 // BatchNorm's mean and 1 / sqrt(var + eps) of one channel: in training those
-// of the batch, from the sums of its n values (s1) and of their squares (s2),
+// of the batch, from the sums of its n values (s1) and of their squares (s2)
+// (or of the values minus shift, which keeps the variance accurate where the
+// mean is large against the spread),
 // with the running statistics rm, rv updated as nn.BatchNorm2d does (in
 // double, stored as float; factor its momentum or the cumulative average's
 // 1 / batches; the variance unbiased); else the running statistics.
 std::pair<double, double> channel_stats(bool training, double s1, double s2, double n,
-                                        double factor, double eps, float& rm, float& rv) {
+                                        double factor, double eps, float& rm, float& rv,
+                                        double shift = 0.0) {
   double m, var;
-  if (training) {
+  if (training) {  // (s1, s2 may be sums of the values minus shift)
     m = s1 / n;
     var = std::max(s2 / n - m * m, 0.0);
+    m += shift;
     rm = static_cast<float>((1 - factor) * rm + factor * m);
     rv = static_cast<float>((1 - factor) * rv + factor * var * n / (n - 1));
   } else {
@@ -1282,6 +1286,295 @@ std::vector<at::Tensor> step_backward(
 
 }  // namespace
 
+// -- a residual block's end in training: relu(bn(x) + bn_res(res)) --
+//
+// The block's last BatchNorm (and its shortcut's, where given) applied in the
+// pass of the add, the ReLU and KCLA's pooling (global_pool's kAffineAddRelu),
+// after one pass for each norm's batch statistics; the backward pass is two
+// passes (the gradient sums of both norms, then both input gradients), where
+// the host's ops took two passes for the statistics and two for the norm's
+// output per norm, one for the add and the ReLU, and three per norm backward.
+
+// One norm of the block's end: its parameters, and in training its batch
+// statistics (mu, invstd, [C] float64) and running statistics' update.
+struct EndNorm {
+  std::vector<float> alpha, beta;  // x -> alpha x + beta
+  at::Tensor mu, invstd;
+};
+
+EndNorm end_norm(const char* op, const char* name, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& bias, const at::Tensor& running_mean,
+                 const at::Tensor& running_var, bool training, double factor, double eps) {
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), HW = H * W;
+  EndNorm e;
+  const at::TensorOptions f64 = x.options().dtype(at::kDouble);
+  e.mu = at::empty({C}, f64);
+  e.invstd = at::empty({C}, f64);
+  double *mup = e.mu.data_ptr<double>(), *isp = e.invstd.data_ptr<double>();
+  if (!training) {  // ATen's affine (bit for bit its output); its invstd for the backward pass
+    e.alpha = bn_eval_affine(op, name, C, weight, bias, running_mean, running_var, eps);
+    e.beta.assign(e.alpha.begin() + C, e.alpha.end());
+    e.alpha.resize(C);
+    const float *rm = running_mean.data_ptr<float>(), *rv = running_var.data_ptr<float>();
+    for (int64_t c = 0; c < C; ++c) {
+      mup[c] = rm[c];
+      isp[c] = 1.0 / std::sqrt(static_cast<double>(rv[c]) + eps);
+    }
+    return e;
+  }
+  const NormArgs na = norm_args(op, weight, bias, running_mean, running_var, C, true, B * HW, eps);
+  // the statistics pass: per-channel sums of x - k and (x - k)^2 (float over
+  // up to 8 rows, then double, in a fixed order), k the first pixel's value:
+  // shifted, E[(x-k)^2] - E[x-k]^2 does not cancel where the mean is large
+  const float* xp = x.data_ptr<float>();
+  const std::vector<float> k(xp, xp + C);
+  const Bands bands(B, H);
+  std::vector<double> partial(bands.tasks * 2 * C, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    std::vector<float> s1(C), s2(C);
+    double* acc = partial.data() + t * 2 * C;
+    for (int64_t h = h0; h < h1; ++h) {
+      float *a1 = s1.data(), *a2 = s2.data();
+      for (int64_t w = 0; w < W; ++w) {
+        const float* v = xp + ((b * H + h) * W + w) * C;
+        const float* kp = k.data();
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          const float u = v[c] - kp[c];
+          a1[c] += u;
+          a2[c] += u * u;
+        }
+      }
+      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(s1, s2, acc);
+    }
+  });
+  std::vector<double> sums(2 * C, 0.0);
+  for (int64_t t = 0; t < bands.tasks; ++t)
+    for (int64_t i = 0; i < 2 * C; ++i) sums[i] += partial[t * 2 * C + i];
+  e.alpha.resize(C);
+  e.beta.resize(C);
+  const double n = static_cast<double>(B * HW);
+  for (int64_t c = 0; c < C; ++c) {
+    std::tie(mup[c], isp[c]) = channel_stats(true, sums[c], sums[C + c], n, factor, eps,
+                                             na.running_mean[c], na.running_var[c], k[c]);
+    const double a = na.weight[c] * isp[c];
+    e.alpha[c] = static_cast<float>(a);
+    e.beta[c] = static_cast<float>(na.bias[c] - a * mup[c]);
+  }
+  return e;
+}
+
+int count_given(std::initializer_list<const c10::optional<at::Tensor>*> ts) {
+  int n = 0;
+  for (auto t : ts) n += t->has_value() && (*t)->defined();
+  return n;
+}
+
+// Returns (out = relu(bn(x) + bn_res(res)) (+ res without res's norm), its
+// pool [B, C], the ReLU's mask (residual_relu_pool_mask_'s), mu, invstd of
+// x's norm, of res's ([C] float64; empty without)). Each norm: batch
+// statistics in training (the running ones updated as nn.BatchNorm2d does:
+// factor its momentum, or 1 / batches for a cumulative average), else the
+// running ones (ATen's output bit for bit). x and res are kept as they are.
+std::vector<at::Tensor> block_end_forward(
+    const at::Tensor& x, const at::Tensor& res, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& running_mean, const at::Tensor& running_var, bool training, double factor,
+    double eps, const c10::optional<at::Tensor>& res_weight,
+    const c10::optional<at::Tensor>& res_bias, const c10::optional<at::Tensor>& res_mean,
+    const c10::optional<at::Tensor>& res_var, bool res_training, double res_factor,
+    double res_eps) {
+  const char* op = "block_end_forward";
+  TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
+  check_map(op, x, "x", x.sizes());
+  check_map(op, res, "res", x.sizes());
+  const int given = count_given({&res_weight, &res_bias, &res_mean, &res_var});
+  TORCH_CHECK(given == 0 || given == 4, "kcla_mm ", op, ": res_weight, res_bias, res_mean and "
+              "res_var must be given together (res's BatchNorm) or not at all, got ", given,
+              " of them");
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const EndNorm nx = end_norm(op, "", x, weight, bias, running_mean, running_var, training,
+                              factor, eps);
+  EndNorm nr;
+  PreAffine f;
+  f.ax = nx.alpha.data();
+  f.bx = nx.beta.data();
+  if (given) {
+    nr = end_norm(op, "res_", res, *res_weight, *res_bias, *res_mean, *res_var, res_training,
+                  res_factor, res_eps);
+    f.ar = nr.alpha.data();
+    f.br = nr.beta.data();
+  }
+  at::Tensor out = at::empty_like(x);
+  at::Tensor pooled = at::empty({B, C}, x.options());
+  at::Tensor mask = at::empty({B, H, W, mask_bytes(C)}, x.options().dtype(at::kByte));
+  if (H * W > 0)
+    global_pool<PoolMode::kAffineAddRelu>(const_cast<float*>(x.data_ptr<float>()),
+                                          res.data_ptr<float>(), B, H * W, C,
+                                          pooled.data_ptr<float>(), mask.data_ptr<uint8_t>(), f,
+                                          out.data_ptr<float>());
+  const at::Tensor none = at::empty({0}, x.options().dtype(at::kDouble));
+  return {out, pooled, mask, nx.mu, nx.invstd, given ? nr.mu : none, given ? nr.invstd : none};
+}
+
+// Gradients of block_end_forward: (gx, gweight, gbias, gres, and with res's
+// norm gres_weight, gres_bias; else empty). gout: out's gradient (undefined:
+// zero), gpool: the pool's [B, C] (undefined: none); mu, invstd what forward
+// returned; *_training whether forward used batch statistics. res (the
+// shortcut's input to its norm) only with its norm.
+std::vector<at::Tensor> block_end_backward(
+    const c10::optional<at::Tensor>& gout_opt, const c10::optional<at::Tensor>& gpool_opt,
+    const at::Tensor& mask, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mu,
+    const at::Tensor& invstd, bool training, const c10::optional<at::Tensor>& res_opt,
+    const c10::optional<at::Tensor>& res_weight, const c10::optional<at::Tensor>& res_mu,
+    const c10::optional<at::Tensor>& res_invstd, bool res_training) {
+  const char* op = "block_end_backward";
+  TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
+  check_map(op, x, "x", x.sizes());
+  const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), HW = H * W;
+  const int64_t nb = mask_bytes(C);
+  TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kByte && mask.is_contiguous() &&
+                  mask.sizes() == at::IntArrayRef({B, H, W, nb}),
+              "kcla_mm ", op, ": mask must be block_end_forward's contiguous uint8 [", B, ", ", H,
+              ", ", W, ", ", nb, "] mask, got ", mask.scalar_type(), " of shape ", mask.sizes());
+  const bool has_gout = gout_opt.has_value() && gout_opt->defined();
+  if (has_gout) check_map(op, *gout_opt, "gout", x.sizes());
+  const int given = count_given({&res_opt, &res_weight, &res_mu, &res_invstd});
+  TORCH_CHECK(given == 0 || given == 4, "kcla_mm ", op, ": res, res_weight, res_mu and "
+              "res_invstd must be given together (res's BatchNorm) or not at all, got ", given,
+              " of them");
+  const bool rn = given == 4;
+  if (rn) check_map(op, *res_opt, "res", x.sizes());
+  const float* gam = param<float>(op, weight, C, "weight");
+  const double* mup = param<double>(op, mu, C, "mu");
+  const double* isp = param<double>(op, invstd, C, "invstd");
+  const float* rgam = rn ? param<float>(op, *res_weight, C, "res_weight") : nullptr;
+  const double* rmup = rn ? param<double>(op, *res_mu, C, "res_mu") : nullptr;
+  const double* risp = rn ? param<double>(op, *res_invstd, C, "res_invstd") : nullptr;
+  const float* gpp = opt_param(op, gpool_opt, B * C, "gpool");
+  std::vector<float> d(B * C, 0.f);  // the pool's gradient per value
+  if (gpp != nullptr)
+    for (int64_t i = 0; i < B * C; ++i) d[i] = gpp[i] / static_cast<float>(HW);
+  const float* gop = has_gout ? gout_opt->data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const float* rp = rn ? res_opt->data_ptr<float>() : nullptr;
+  const uint8_t* mp = mask.data_ptr<uint8_t>();
+  // g, the gradient of the sum: (gout + d) where the ReLU passed, else +0
+  // (relu_pool_backward's values)
+  auto g_of = [&](int64_t o, int64_t px, const float* db, int64_t c0) -> vf {
+    const vf v = gop != nullptr ? (gpp != nullptr ? load(gop + o + c0) + load(db + c0)
+                                                  : load(gop + o + c0))
+                                : (gpp != nullptr ? load(db + c0) : splat(0.f));
+    return select_bits(load_bits(mp + px * nb, c0), v);
+  };
+  auto g_at = [&](int64_t o, int64_t px, const float* db, int64_t c) -> float {
+    const float v = gop != nullptr ? (gpp != nullptr ? gop[o + c] + db[c] : gop[o + c])
+                                   : (gpp != nullptr ? db[c] : 0.f);
+    return mask_bit(mp + px * nb, c) ? v : 0.f;
+  };
+  at::Tensor gres = at::empty_like(x);
+  float* grp = gres.data_ptr<float>();
+  const int64_t cv = C - C % VL, ns = rn ? 3 : 2;
+  // pass 1: per-channel sums of g, g x (and g res); g itself is res's
+  // gradient without res's norm
+  const Bands bands(B, H);
+  std::vector<double> partial(bands.tasks * ns * C, 0.0);
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
+    std::vector<float> s(ns * C, 0.f);
+    double* acc = partial.data() + t * ns * C;
+    float *sg = s.data(), *sgx = sg + C, *sgr = sgx + C;
+    const float* db = d.data() + b * C;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t w = 0; w < W; ++w) {
+        const int64_t px = (b * H + h) * W + w, o = px * C;
+        for (int64_t c0 = 0; c0 < cv; c0 += VL) {
+          const vf g = g_of(o, px, db, c0);
+          store(sg + c0, load(sg + c0) + g);
+          store(sgx + c0, load(sgx + c0) + g * load(xp + o + c0));
+          if (rn) {
+            store(sgr + c0, load(sgr + c0) + g * load(rp + o + c0));
+          } else {
+            store(grp + o + c0, g);
+          }
+        }
+        for (int64_t c = cv; c < C; ++c) {
+          const float g = g_at(o, px, db, c);
+          sg[c] += g;
+          sgx[c] += g * xp[o + c];
+          if (rn) {
+            sgr[c] += g * rp[o + c];
+          } else {
+            grp[o + c] = g;
+          }
+        }
+      }
+      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+        for (int64_t i = 0; i < ns * C; ++i) acc[i] += s[i];
+        std::fill(s.begin(), s.end(), 0.f);
+      }
+    }
+  });
+  std::vector<double> sums(ns * C, 0.0);
+  for (int64_t t = 0; t < bands.tasks; ++t)
+    for (int64_t i = 0; i < ns * C; ++i) sums[i] += partial[t * ns * C + i];
+  // per norm: grad = k1 g + k2 (v - k3) + k0 (BatchNorm's backward; k3 the
+  // mean in float, so that v - k3 does not cancel), its parameters' gradients
+  const auto f32 = x.options();
+  const double n = static_cast<double>(B * HW);
+  auto coeffs = [&](const float* gm, const double* mm, const double* is, bool tr,
+                    const double* sgv, std::vector<float>& k, float* gw, float* gb) {
+    k.assign(4 * C, 0.f);
+    for (int64_t c = 0; c < C; ++c) {
+      const double sg = sums[c], sgh = is[c] * (sgv[c] - mm[c] * sg);  // sum of g v_hat
+      gb[c] = static_cast<float>(sg);
+      gw[c] = static_cast<float>(sgh);
+      const double a = gm[c] * is[c];
+      const double q2 = tr ? -a * is[c] * sgh / n : 0.0;
+      const float mf = static_cast<float>(mm[c]);
+      k[c] = static_cast<float>(a);
+      k[C + c] = static_cast<float>(q2);
+      k[2 * C + c] = static_cast<float>(tr ? -a * sg / n + q2 * (mf - mm[c]) : 0.0);
+      k[3 * C + c] = mf;
+    }
+  };
+  at::Tensor gweight = at::empty({C}, f32), gbias = at::empty({C}, f32);
+  std::vector<float> kx, kr;
+  coeffs(gam, mup, isp, training, sums.data() + C, kx, gweight.data_ptr<float>(),
+         gbias.data_ptr<float>());
+  at::Tensor grw = at::empty({rn ? C : 0}, f32), grb = at::empty({rn ? C : 0}, f32);
+  if (rn)
+    coeffs(rgam, rmup, risp, res_training, sums.data() + 2 * C, kr, grw.data_ptr<float>(),
+           grb.data_ptr<float>());
+  // pass 2: gx (and gres) from g, recomputed
+  at::Tensor gx = at::empty_like(x);
+  float* gxp = gx.data_ptr<float>();
+  bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t) {
+    const float* db = d.data() + b * C;
+    const float *k1 = kx.data(), *k2 = k1 + C, *k0 = k2 + C, *k3 = k0 + C;
+    const float *r1 = rn ? kr.data() : nullptr, *r2 = r1 + C, *r0 = r2 + C, *r3 = r0 + C;
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t w = 0; w < W; ++w) {
+        const int64_t px = (b * H + h) * W + w, o = px * C;
+        for (int64_t c0 = 0; c0 < cv; c0 += VL) {
+          const vf g = g_of(o, px, db, c0);
+          store(gxp + o + c0,
+                load(k1 + c0) * g + load(k2 + c0) * (load(xp + o + c0) - load(k3 + c0)) +
+                    load(k0 + c0));
+          if (rn)
+            store(grp + o + c0,
+                  load(r1 + c0) * g + load(r2 + c0) * (load(rp + o + c0) - load(r3 + c0)) +
+                      load(r0 + c0));
+        }
+        for (int64_t c = cv; c < C; ++c) {
+          const float g = g_at(o, px, db, c);
+          gxp[o + c] = k1[c] * g + k2[c] * (xp[o + c] - k3[c]) + k0[c];
+          if (rn) grp[o + c] = r1[c] * g + r2[c] * (rp[o + c] - r3[c]) + r0[c];
+        }
+      }
+    }
+  });
+  return {gx, gweight, gbias, gres, grw, grb};
+}
+
 TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
   m.def("train_stats(Tensor x, Tensor? prev, Tensor? beta, Tensor wv) -> (Tensor, Tensor)");
   m.def("train_apply(Tensor x, Tensor mean, Tensor wv, Tensor a, Tensor shift) -> Tensor");
@@ -1315,6 +1608,15 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
       "Tensor(a!) running_mean, Tensor(b!) running_var, bool training, float factor, float eps) "
       "-> Tensor[]");
   m.def(
+      "block_end_forward(Tensor x, Tensor res, Tensor weight, Tensor bias, "
+      "Tensor(a!) running_mean, Tensor(b!) running_var, bool training, float factor, float eps, "
+      "Tensor? res_weight, Tensor? res_bias, Tensor(c!)? res_mean, Tensor(d!)? res_var, "
+      "bool res_training, float res_factor, float res_eps) -> Tensor[]");
+  m.def(
+      "block_end_backward(Tensor? gout, Tensor? gpool, Tensor mask, Tensor x, Tensor weight, "
+      "Tensor mu, Tensor invstd, bool training, Tensor? res, Tensor? res_weight, Tensor? res_mu, "
+      "Tensor? res_invstd, bool res_training) -> Tensor[]");
+  m.def(
       "adapt_backward(Tensor gu, Tensor? gpool, Tensor m, Tensor y, Tensor w, int stride, "
       "Tensor weight, Tensor mu, Tensor invstd, bool bn_training) -> Tensor[]");
   m.def(
@@ -1332,6 +1634,8 @@ TORCH_LIBRARY_FRAGMENT(kcla_mm, m) {
 
 TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {
   m.impl("train_stats", &train_stats);
+  m.impl("block_end_forward", &block_end_forward);
+  m.impl("block_end_backward", &block_end_backward);
   m.impl("train_apply", &train_apply);
   m.impl("train_grad_stats", &train_grad_stats);
   m.impl("train_backward", &train_backward);
