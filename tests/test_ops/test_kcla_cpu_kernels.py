@@ -427,11 +427,17 @@ def test_backbone_applies_its_eval_blocks_last_norms_in_one_pass(monkeypatch):
         assert len(calls) == n_fused + 20
         for a, b in zip(got, want):
             assert torch.equal(a, b)
-        seen = []
+        seen, kept = [], []
         model.layer3[0].downsample[-1].register_forward_hook(lambda *a: seen.append(1))
         model.layer1[1].norm3.register_forward_hook(lambda *a: seen.append(1))
+        # a hook holding the last convolution's output: the norm runs as a
+        # module, the output the hook holds is not overwritten
+        model.layer2[1].conv3.register_forward_hook(
+            lambda mod, inp, out: kept.append((out, out.clone())))
+        calls.clear()
         hooked = model(x)
-    assert seen == [1, 1]
+    assert seen == [1, 1] and len(calls) == n_fused + 3
+    assert torch.equal(kept[0][0], kept[0][1])
     for a, b in zip(hooked, want):
         assert torch.equal(a, b)
 

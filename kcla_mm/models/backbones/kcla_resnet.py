@@ -292,13 +292,15 @@ class KCLAResNetMixin:
         out = block.relu(block.norm1(block.conv1(x)))
         if kind == 'bottleneck':
             out = block.relu(block.norm2(block.conv2(out)))
-            out, norm = block.conv3(out), block.norm3
+            conv, norm = block.conv3, block.norm3
         else:
-            out, norm = block.conv2(out), block.norm2
+            conv, norm = block.conv2, block.norm2
+        out = conv(out)
         # the last norms may be applied by the fused end of the block (plain
-        # BatchNorms; the module calls they skip must not be hooked), else
-        # they run here
-        if _any_hooks(norm):
+        # BatchNorms; the module calls they skip must not be hooked, and in
+        # inference, where the convolution's output is overwritten, no hook
+        # may hold it), else they run here
+        if _any_hooks(norm) or _hooked(conv):
             out, norm = norm(out), None
         res_norm = None
         if block.downsample is not None:
