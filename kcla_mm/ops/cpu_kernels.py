@@ -6,7 +6,8 @@
   map, where the eager path runs about 50 ops and 12 passes
   (``torch.ops.kcla_mm.eval_step``), or in one where the pooling comes from
   ``torch.ops.kcla_mm.residual_relu_pool_``, which the backbone runs as its
-  blocks' last add and ReLU.
+  blocks' last add and ReLU (``residual_bn_relu_pool_`` with the blocks'
+  last BatchNorms applied in the same pass).
 - ``csrc/kcla_train_cpu.cpp`` does the training step: the per-head math
   (``head_forward``/``head_backward``) and the feature-map part with
   BatchNorm's batch statistics in four passes (``train_stats``,
@@ -14,7 +15,10 @@
   ``step_forward``/``step_backward``, which chain them for one block, and an
   init layer's adaptation of the incoming state (``adapt_forward``/
   ``adapt_backward``: the strided grouped ``adjust``, ``norm_u`` and the
-  pool, two passes each way); the autograd side is
+  pool, two passes each way), and a residual block's end in training
+  (``block_end_forward``/``block_end_backward``: its last BatchNorm and its
+  shortcut's, the add, the ReLU and the pool; one pass after each norm's
+  statistics forward, two backward); the autograd side is
   :mod:`kcla_mm.ops.fused_tail_cpu`.
 
 Both are compiled with :func:`torch.utils.cpp_extension.load` (needs a C++

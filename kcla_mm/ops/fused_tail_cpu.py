@@ -19,11 +19,12 @@ backward: the output ``out``, ``prev`` and ``mean`` (which the neighbouring
 blocks keep anyway: the next block saves its input ``out`` for ``conv1``) and
 ``[B, C]`` vectors, but not ``x``: the backward pass takes ``x`` as ``out``
 minus ``keep relu(o)``, recomputed, where it needs it (``x - prev`` for the
-gradient of ``beta``), and :class:`ResidualReluPool` keeps a one-bit ReLU mask
-instead of ``x``. So a step keeps no feature map beyond its state, and none
-is recomputed. The exception is the first step (no ``prev``), whose state is
-``x`` itself: it keeps ``x``, and the output is recomputed by one pass where
-a later block saved it (see :func:`kcla_mm.ops.kcla.saved_output_hooks`).
+gradient of ``beta``), and :class:`ResidualReluPool` (or :class:`BlockEnd`)
+keeps a one-bit ReLU mask instead of ``x``. So a step keeps no feature map
+beyond its state, and none is recomputed. The exception is the first step
+(no ``prev``), whose state is ``x`` itself: it keeps ``x``, and the output is
+recomputed by one pass where a later block saved it (see
+:func:`kcla_mm.ops.kcla.saved_output_hooks`).
 
 Each direction is one call from Python: ``step_forward`` and ``step_backward``
 chain those ops in C++ (a test checks them against the ops called one by one,
@@ -31,7 +32,10 @@ bit for bit), which saves the dispatcher and the small ATen ops between them.
 
 :class:`FusedAdapt` does an init layer's adaptation of the incoming state
 (``norm_u(adjust(mean))`` and its pool, spec section 5) in two passes each way
-(``adapt_forward``/``adapt_backward``).
+(``adapt_forward``/``adapt_backward``). :class:`BlockEnd` does a residual
+block's end, its last BatchNorm and its shortcut's, the add, the ReLU and
+the pool (host ops, where :class:`ResidualReluPool` does the last three):
+``block_end_forward``/``block_end_backward``.
 """
 from typing import Optional
 

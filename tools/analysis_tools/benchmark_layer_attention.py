@@ -250,7 +250,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
                             'default; the fused CPU kernels keep the outputs but the first)'),
         'KCLA on CPU: ' + (
             'fused CPU kernels (eval: torch.ops.kcla_mm.eval_step; training: train_*, head_* '
-            'and, at the init layers, adapt_* ops)' if device.type == 'cpu'
+            'and, at the init layers, adapt_* ops); each block\'s last BatchNorms (host ops), '
+            'add and ReLU with the pool in one pass (residual_bn_relu_pool_, block_end_*; the '
+            'plain ResNet runs them as torch ops)' if device.type == 'cpu'
             and cpu_kernels.available() else 'eager ops'),
     ]
     for line in header:
