@@ -300,7 +300,7 @@ class KCLAResNetMixin:
         # BatchNorms; the module calls they skip must not be hooked, and in
         # inference, where the convolution's output is overwritten, no hook
         # may hold it), else they run here
-        if _any_hooks(norm) or _hooked(conv):
+        if _any_hooks(norm) or (_hooked(conv) and not torch.is_grad_enabled()):
             out, norm = norm(out), None
         res_norm = None
         if block.downsample is not None:
