@@ -202,6 +202,23 @@ def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatc
     sum(o.sum() for o in outs).backward()
 
 
+def test_training_block_end_leaves_a_hooked_convolutions_output(monkeypatch):
+    # in training BlockEnd writes a new map: a forward hook holding the last
+    # convolution's output keeps the fused block end (unlike inference, where
+    # the output is written in place and the norm then runs as a module)
+    ends = []
+    orig = fused_tail_cpu.BlockEnd.forward
+    monkeypatch.setattr(fused_tail_cpu.BlockEnd, 'forward',
+                        staticmethod(lambda ctx, *a: ends.append(1) or orig(ctx, *a)))
+    torch.manual_seed(0)
+    model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
+    kept = []
+    model.layer2[1].conv3.register_forward_hook(
+        lambda mod, inp, out: kept.append((out, out.clone())))
+    model(torch.rand(2, 3, 64, 64))
+    assert len(ends) == 16 and torch.equal(kept[0][0], kept[0][1])
+
+
 @pytest.mark.parametrize('use_pool', [True, False])
 def test_residual_relu_pool_gradients_are_torchs(use_pool):
     # ResidualReluPool: out += res; out.relu_() and the pool, one node; its
