@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -709,6 +710,18 @@ inline std::vector<float> bn_eval_affine(const char* op, const char* name, int64
     ab[C + c] = std::fma(-m[c], ab[c], b[c]);
   }
   return ab;
+}
+
+// Whether the optional tensors ts (named names, e.g. "res_weight, res_bias")
+// are given, all of them (true) or none (false); a part of them is an error
+// that names them.
+inline bool all_or_none(const char* op, const char* names,
+                        std::initializer_list<const c10::optional<at::Tensor>*> ts) {
+  size_t n = 0;
+  for (auto t : ts) n += t->has_value() && (*t)->defined();
+  TORCH_CHECK(n == 0 || n == ts.size(), "kcla_mm ", op, ": ", names,
+              " must be given together (res's BatchNorm) or not at all, got ", n, " of them");
+  return n > 0;
 }
 
 // Bands of rows per sample, so that small batches use every thread: returns

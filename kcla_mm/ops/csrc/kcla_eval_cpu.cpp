@@ -86,11 +86,8 @@ at::Tensor residual_bn_relu_pool_(at::Tensor x, const at::Tensor& res, const at:
   TORCH_CHECK(!res.is_same(x), "kcla_mm ", op, ": res must not be x");
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const std::vector<float> fx = bn_eval_affine(op, "", C, weight, bias, mean, var, eps);
-  const int given = res_weight.has_value() + res_bias.has_value() + res_mean.has_value() +
-                    res_var.has_value();
-  TORCH_CHECK(given == 0 || given == 4, "kcla_mm ", op, ": res_weight, res_bias, res_mean and "
-              "res_var must be given together (res's BatchNorm) or not at all, got ", given,
-              " of them");
+  const bool given = all_or_none(op, "res_weight, res_bias, res_mean and res_var",
+                                 {&res_weight, &res_bias, &res_mean, &res_var});
   const std::vector<float> fr =
       given ? bn_eval_affine(op, "res_", C, *res_weight, *res_bias, *res_mean, *res_var, res_eps)
             : std::vector<float>();

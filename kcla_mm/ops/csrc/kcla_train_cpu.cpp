@@ -1364,12 +1364,6 @@ EndNorm end_norm(const char* op, const char* name, const at::Tensor& x, const at
   return e;
 }
 
-int count_given(std::initializer_list<const c10::optional<at::Tensor>*> ts) {
-  int n = 0;
-  for (auto t : ts) n += t->has_value() && (*t)->defined();
-  return n;
-}
-
 // Returns (out = relu(bn(x) + bn_res(res)) (+ res without res's norm), its
 // pool [B, C], the ReLU's mask (residual_relu_pool_mask_'s), mu, invstd of
 // x's norm, of res's ([C] float64; empty without)). Each norm: batch
@@ -1387,10 +1381,8 @@ std::vector<at::Tensor> block_end_forward(
   TORCH_CHECK(x.dim() == 4, "kcla_mm ", op, ": x must be [B, C, H, W], got ", x.sizes());
   check_map(op, x, "x", x.sizes());
   check_map(op, res, "res", x.sizes());
-  const int given = count_given({&res_weight, &res_bias, &res_mean, &res_var});
-  TORCH_CHECK(given == 0 || given == 4, "kcla_mm ", op, ": res_weight, res_bias, res_mean and "
-              "res_var must be given together (res's BatchNorm) or not at all, got ", given,
-              " of them");
+  const bool given = all_or_none(op, "res_weight, res_bias, res_mean and res_var",
+                                 {&res_weight, &res_bias, &res_mean, &res_var});
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const EndNorm nx = end_norm(op, "", x, weight, bias, running_mean, running_var, training,
                               factor, eps);
@@ -1438,11 +1430,8 @@ std::vector<at::Tensor> block_end_backward(
               ", ", W, ", ", nb, "] mask, got ", mask.scalar_type(), " of shape ", mask.sizes());
   const bool has_gout = gout_opt.has_value() && gout_opt->defined();
   if (has_gout) check_map(op, *gout_opt, "gout", x.sizes());
-  const int given = count_given({&res_opt, &res_weight, &res_mu, &res_invstd});
-  TORCH_CHECK(given == 0 || given == 4, "kcla_mm ", op, ": res, res_weight, res_mu and "
-              "res_invstd must be given together (res's BatchNorm) or not at all, got ", given,
-              " of them");
-  const bool rn = given == 4;
+  const bool rn = all_or_none(op, "res, res_weight, res_mu and res_invstd",
+                              {&res_opt, &res_weight, &res_mu, &res_invstd});
   if (rn) check_map(op, *res_opt, "res", x.sizes());
   const float* gam = param<float>(op, weight, C, "weight");
   const double* mup = param<double>(op, mu, C, "mu");
