@@ -712,6 +712,18 @@ inline std::vector<float> bn_eval_affine(const char* op, const char* name, int64
   return ab;
 }
 
+// checks that mask is the ReLU mask (mask_bytes(C) bytes per pixel) that
+// producer wrote for a [B, C, H, W] map
+inline void check_mask(const char* op, const at::Tensor& mask, int64_t B, int64_t C, int64_t H,
+                       int64_t W, const char* producer) {
+  const int64_t nb = mask_bytes(C);
+  TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kByte && mask.is_contiguous() &&
+                  mask.sizes() == at::IntArrayRef({B, H, W, nb}),
+              "kcla_mm ", op, ": mask must be ", producer, "'s contiguous uint8 [", B, ", ", H,
+              ", ", W, ", ", nb, "] mask of a map of shape [", B, ", ", C, ", ", H, ", ", W,
+              "], got ", mask.scalar_type(), " of shape ", mask.sizes());
+}
+
 // Whether the optional tensors ts (named names, e.g. "res_weight, res_bias")
 // are given, all of them (true) or none (false); a part of them is an error
 // that names them.

@@ -117,11 +117,7 @@ at::Tensor relu_pool_backward(const at::Tensor& gx, const c10::optional<at::Tens
   check_map(op, gx, "gx", gx.sizes());
   const int64_t B = gx.size(0), C = gx.size(1), H = gx.size(2), W = gx.size(3), HW = H * W;
   const int64_t nb = mask_bytes(C);
-  TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kByte && mask.is_contiguous() &&
-                  mask.sizes() == at::IntArrayRef({B, H, W, nb}),
-              "kcla_mm ", op, ": mask must be residual_relu_pool_mask_'s contiguous uint8 [", B,
-              ", ", H, ", ", W, ", ", nb, "] mask of a map of gx's shape, got ",
-              mask.scalar_type(), " of shape ", mask.sizes());
+  check_mask(op, mask, B, C, H, W, "residual_relu_pool_mask_");
   const bool has_gp = gp_opt.has_value() && gp_opt->defined();
   std::vector<float> gpd(B * C, 0.f);
   if (has_gp) {

@@ -1424,10 +1424,7 @@ std::vector<at::Tensor> block_end_backward(
   check_map(op, x, "x", x.sizes());
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), HW = H * W;
   const int64_t nb = mask_bytes(C);
-  TORCH_CHECK(mask.device().is_cpu() && mask.scalar_type() == at::kByte && mask.is_contiguous() &&
-                  mask.sizes() == at::IntArrayRef({B, H, W, nb}),
-              "kcla_mm ", op, ": mask must be block_end_forward's contiguous uint8 [", B, ", ", H,
-              ", ", W, ", ", nb, "] mask, got ", mask.scalar_type(), " of shape ", mask.sizes());
+  check_mask(op, mask, B, C, H, W, "block_end_forward");
   const bool has_gout = gout_opt.has_value() && gout_opt->defined();
   if (has_gout) check_map(op, *gout_opt, "gout", x.sizes());
   const bool rn = all_or_none(op, "res, res_weight, res_mu and res_invstd",
