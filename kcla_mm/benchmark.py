@@ -585,6 +585,50 @@ def markdown_table(results: Dict[Candidate, Result]) -> str:
     return '\n'.join(lines)
 
 
+def round_ratios(result: Result, base: Result, attr: str) -> List[float]:
+    """``result``'s time over ``base``'s, round by round (``attr``: ``forward`` or ``train``).
+
+    :func:`run` times every candidate once per round, so the i-th figures of
+    two candidates come from the same round, seconds apart. Empty where the
+    two hold different numbers of rounds (nothing to pair) or a baseline
+    time is not positive.
+    """
+    times, base_times = getattr(result, attr), getattr(base, attr)
+    if len(times) != len(base_times) or not all(b > 0 for b in base_times):
+        return []
+    return [t / b for t, b in zip(times, base_times)]
+
+
+def round_ratio_table(results: Dict[Candidate, Result]) -> str:
+    """Each method's per-round ratios to the plain ResNet of its depth: min / median / max.
+
+    A paired view of the run's noise next to :func:`markdown_table`'s ratio
+    of medians: a machine whose speed drifts between rounds moves both
+    candidates of a round alike, and the spread shows how far single rounds
+    stray from the median. One row per candidate with a baseline in the
+    results (the plain ResNets themselves are left out).
+    """
+    lines = ['| backbone | method | rounds | forward: ratio per round, min / median / max | '
+             'train step: ratio per round, min / median / max |',
+             '|' + ' --- |' * 2 + ' ---: |' * 3]
+    for c, r in results.items():
+        b = results.get(c.baseline)
+        if c.method == 'none' or b is None:
+            continue
+
+        def spread(attr: str) -> str:
+            ratios = round_ratios(r, b, attr)
+            if not ratios:
+                return 'n/a'
+            return (f'{min(ratios):.3f}x / {statistics.median(ratios):.3f}x / '
+                    f'{max(ratios):.3f}x')
+
+        family = 'ResNet' if c.family == 'imagenet' else 'CIFAR-ResNet'
+        lines.append(f'| {family}-{c.depth}{" +compile" if c.compiled else ""} | {c.method} | '
+                     f'{len(r.train)} | {spread("forward")} | {spread("train")} |')
+    return '\n'.join(lines)
+
+
 def plot(results: Dict[Candidate, Result], path: str, title: str = '') -> None:
     """Extra cost over the plain ResNet against depth, one row per family, written as a PNG."""
     from matplotlib.figure import Figure

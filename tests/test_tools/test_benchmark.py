@@ -4,6 +4,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ import torch
 
 import kcla_mm.benchmark as bench
 from kcla_mm.benchmark import (THP_ENV, TUNED_ALLOCATOR_ENV, Candidate, CifarKCLAResNet,
-                               LiveTensorBytes, Setting, build_backbone, markdown_table, num_blocks,
-                               peak_train_memory, run)
+                               LiveTensorBytes, Result, Setting, build_backbone, markdown_table,
+                               num_blocks, peak_train_memory, round_ratio_table, round_ratios, run)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'analysis_tools' / 'benchmark_layer_attention.py'
@@ -58,6 +59,11 @@ def test_quick_run_writes_table_and_plot(tmp_path):
         else:  # layer attention adds parameters and FLOPs
             assert ratios[0] > 1 and ratios[1] > 1
         assert len(r) == 12 and r[11].isdigit()  # page faults per training step, counted
+    # then the same rounds paired, per method (one round in --quick: min = median = max)
+    paired = [cells(line) for line in md.splitlines() if re.search(r'\| [\d.]+x / ', line)]
+    assert [(r[0], r[1]) for r in paired] == [n for n in expected if n[1] != 'none']
+    for r in paired:
+        assert r[2] == '1' and len(set(r[4].split(' / '))) == 1
     png = (tmp_path / 'benchmark.png').read_bytes()
     assert png[:4] == b'\x89PNG' and len(png) > 10000
     assert (tmp_path / 'benchmark.json').stat().st_size > 0
@@ -315,6 +321,37 @@ def test_run_counts_page_faults_per_training_step(monkeypatch):
     assert markdown_table(results).splitlines()[2].endswith('| 25 |')
     monkeypatch.undo()
     assert isinstance(bmod.minor_faults(), int)  # the real counter, on this (POSIX) machine
+
+
+def _timed(c, forward, train):
+    return Result(c, 16, 1, None, None, list(forward), list(train))
+
+
+def test_round_ratios_pair_the_same_rounds():
+    plain, kcla = Candidate('imagenet', 50, 'none'), Candidate('imagenet', 50, 'KCLA')
+    base = _timed(plain, [1.0, 2.0, 4.0], [10.0, 20.0, 40.0])
+    r = _timed(kcla, [1.5, 2.2, 4.0], [12.0, 26.0, 44.0])
+    assert round_ratios(r, base, 'forward') == pytest.approx([1.5, 1.1, 1.0])
+    assert round_ratios(r, base, 'train') == pytest.approx([1.2, 1.3, 1.1])
+    # the ratio of medians (the main table: 26 / 20) differs from the paired median (1.2)
+    assert statistics.median(r.train) / statistics.median(base.train) == pytest.approx(1.3)
+    # nothing to pair: different numbers of rounds, or a baseline time of 0
+    assert round_ratios(_timed(kcla, [1.0], [1.0]), base, 'train') == []
+    assert round_ratios(r, _timed(plain, [1.0, 0.0, 1.0], [1.0, 1.0, 1.0]), 'forward') == []
+
+
+def test_round_ratio_table_rows_and_spread():
+    plain, kcla = Candidate('imagenet', 50, 'none'), Candidate('imagenet', 50, 'KCLA')
+    orphan = Candidate('cifar', 20, 'MRLALight')  # its plain ResNet was not measured
+    results = {plain: _timed(plain, [1.0, 2.0, 4.0], [10.0, 20.0, 40.0]),
+               kcla: _timed(kcla, [1.5, 2.2, 4.0], [12.0, 26.0, 44.0]),
+               orphan: _timed(orphan, [1.0], [1.0])}
+    lines = round_ratio_table(results).splitlines()
+    assert len(lines) == 3  # header, rule, one row: neither the baseline nor the orphan
+    assert cells(lines[2]) == ['ResNet-50', 'KCLA', '3', '1.000x / 1.100x / 1.500x',
+                               '1.100x / 1.200x / 1.300x']
+    results[kcla] = _timed(kcla, [1.0, 1.0], [1.0, 1.0])  # rounds that do not pair
+    assert cells(round_ratio_table(results).splitlines()[2])[3:] == ['n/a', 'n/a']
 
 
 def _ops_tool():

@@ -33,9 +33,11 @@ kcla_mm.benchmark.TUNED_ALLOCATOR_ENV (torch's huge pages, glibc keeping freed
 memory; for every candidate alike; --default-allocator keeps the defaults),
 says so, and counts the page faults of every training step.
 
-Outputs in --out-dir: benchmark.md (settings + table), benchmark.json (all
-measurements, every repeat), benchmark.png (extra cost over the plain ResNet
-against depth).
+Outputs in --out-dir: benchmark.md (settings + table, then the same rounds
+paired: each method's time over the plain ResNet's of the same round, min /
+median / max over the rounds, which shows how far single rounds stray from
+the ratio of medians), benchmark.json (all measurements, every repeat),
+benchmark.png (extra cost over the plain ResNet against depth).
 
 Examples::
 
@@ -56,7 +58,7 @@ import torch
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
                                allocator_description, build_backbone, count_flops, cpu_features,
                                cpu_name, load_results, markdown_table, plot,
-                               restart_with_tuned_allocator, run)
+                               restart_with_tuned_allocator, round_ratio_table, run)
 from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
@@ -161,8 +163,9 @@ def device_description(device: torch.device) -> str:
 
 def write_outputs(results: Dict[Candidate, object], header: List[str], out_dir: str,
                   title: str) -> str:
-    """Write benchmark.md and benchmark.png; returns the table."""
-    table = markdown_table(results)
+    """Write benchmark.md and benchmark.png; returns the tables (as benchmark.md has them)."""
+    table = (markdown_table(results) + '\n\nThe same rounds paired: each round\'s time over '
+             'the plain ResNet\'s of that round\n\n' + round_ratio_table(results))
     os.makedirs(out_dir, exist_ok=True)
     with open(osp.join(out_dir, 'benchmark.md'), 'w') as f:
         f.write('\n'.join(f'- {line}' for line in header) + '\n\n' + table + '\n')
