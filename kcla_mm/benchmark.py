@@ -548,6 +548,12 @@ def load_results(data: Dict[str, Any]) -> Dict[Candidate, Result]:
     return results
 
 
+def _backbone_label(c: Candidate) -> str:
+    """A table row's backbone cell, e.g. ``ResNet-50`` or ``CIFAR-ResNet-20 +compile``."""
+    family = 'ResNet' if c.family == 'imagenet' else 'CIFAR-ResNet'
+    return f'{family}-{c.depth}{" +compile" if c.compiled else ""}'
+
+
 def markdown_table(results: Dict[Candidate, Result]) -> str:
     """One row per candidate; every figure with its ratio to the plain ResNet of its depth.
 
@@ -573,15 +579,14 @@ def markdown_table(results: Dict[Candidate, Result]) -> str:
             v, bv = pair(attr, scale)
             return 'n/a' if v is None or bv is None else f'{(v - bv) / r.blocks:+.3f}'
 
-        family = 'ResNet' if c.family == 'imagenet' else 'CIFAR-ResNet'
         cells = [_cell(*pair('params', 1e-6), '.3f'), _cell(*pair('flops', 1e-9), '.3f'),
                  _cell(*pair('forward_median', 1e3), '.1f'),
                  _cell(*pair('train_median', 1e3), '.1f'), _cell(*pair('memory', 2**-20), '.1f'),
                  per_block('forward_median'), per_block('train_median'),
                  per_block('memory', 2**-20),
                  'n/a' if math.isnan(r.faults_median) else f'{r.faults_median:.0f}']
-        lines.append(f'| {family}-{c.depth}{" +compile" if c.compiled else ""} | {c.method} | '
-                     f'{r.blocks} | ' + ' | '.join(cells) + ' |')
+        lines.append(f'| {_backbone_label(c)} | {c.method} | {r.blocks} | '
+                     + ' | '.join(cells) + ' |')
     return '\n'.join(lines)
 
 
@@ -623,9 +628,8 @@ def round_ratio_table(results: Dict[Candidate, Result]) -> str:
             return (f'{min(ratios):.3f}x / {statistics.median(ratios):.3f}x / '
                     f'{max(ratios):.3f}x')
 
-        family = 'ResNet' if c.family == 'imagenet' else 'CIFAR-ResNet'
-        lines.append(f'| {family}-{c.depth}{" +compile" if c.compiled else ""} | {c.method} | '
-                     f'{len(r.train)} | {spread("forward")} | {spread("train")} |')
+        lines.append(f'| {_backbone_label(c)} | {c.method} | {len(r.train)} | '
+                     f'{spread("forward")} | {spread("train")} |')
     return '\n'.join(lines)
 
 
