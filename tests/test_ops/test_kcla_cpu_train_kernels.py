@@ -658,6 +658,39 @@ def test_relu_masks_of_the_passes_agree_bit_for_bit(c, w):
     assert torch.equal(back_stats[:, 0], on)
 
 
+@pytest.mark.parametrize('c,w', [(20, 6), (256, 20)])
+def test_relu_input_is_rounded_once_in_every_pass(c, w):
+    # z = a v + shift with shift = -fl(a v): rounded once (a fused multiply-
+    # add) z is the product's rounding error, of either sign; rounded twice it
+    # is 0 everywhere. The forward's mask must be the fused one, the gradient
+    # passes' masks the forward's, and train_backward's x taken from the
+    # output (x_is_out) must subtract exactly the forward's addend.
+    ops = torch.ops.kcla_mm
+    g = torch.Generator().manual_seed(c)
+    b, h = 2, 7
+    mean = cl(torch.rand(b, c, 1, 1, generator=g).add(0.5).expand(b, c, h, w))
+    wv = torch.zeros(c, 1, 3, 3)
+    wv[:, 0, 1, 1] = 1.0  # v = mean exactly
+    a = torch.rand(b, c, generator=g).add(0.5)
+    shift = -(a * mean[:, :, 0, 0])  # rounded: -fl(a v)
+    x = cl(torch.zeros(b, c, h, w))
+    out = ops.train_apply(x, mean, wv, a, shift)  # relu(a v - fl(a v))
+    on = (out > 0).double().sum((2, 3))
+    assert 0 < on.sum() < out.numel()  # both signs: rounded once
+    gy = cl(torch.ones(b, c, h, w))
+    assert torch.equal(ops.train_grad_stats(gy, mean, wv, a, shift, None)[:, 0], on)
+    prev = cl(torch.rand(b, c, h, w, generator=g))
+    beta = torch.rand(b, c, generator=g)
+    gmean = cl(torch.randn(b, c, h, w, generator=g))
+    coeffs = [torch.rand(b, c, generator=g) for _ in range(3)]
+    args = (prev, mean, beta, wv, a, shift, None, *coeffs)
+    given = ops.train_backward(gy, gmean, x, *args)
+    from_out = ops.train_backward(gy, gmean, out, *args, True)
+    assert torch.equal(given[4][:, 0], on)
+    for want, got in zip(given, from_out):  # out - relu(z) is x = 0 exactly
+        assert torch.equal(want, got)
+
+
 @pytest.mark.parametrize('with_state', [False, True])
 @pytest.mark.parametrize('bn_train,with_keep', [(True, False), (True, True), (False, True)])
 def test_step_ops_equal_the_ops_they_chain(with_state, bn_train, with_keep):

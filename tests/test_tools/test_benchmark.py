@@ -474,7 +474,7 @@ def test_ops_benchmark_builds_another_source_tree_side_by_side(tmp_path):
     # conv_span's middle row of taps, which train_apply convolves with: the right
     # tap reads the centre column instead (the mutation must land, or the test
     # would pass without anything to catch)
-    right = 'acc += k[3] * a[1] + k[4] * b[1] + k[5] * c[1];'
+    right = 'acc += tap_row<L>(k + 3, a[1], b[1], c[1]);'
     assert header.count(right) == 1
     (bad / 'kcla_cpu.h').write_text(header.replace(right, right.replace('c[1]', 'b[1]')))
     with pytest.raises(SystemExit, match='train_apply differs'):

@@ -50,6 +50,20 @@ struct VecLanes {  // a full vector of VL channels
   static V load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
   static void store(float* p, V v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
   static V splat(float s) { return V{} + s; }  // one broadcast (a lane loop is not)
+  // a b + c rounded once, on every build: the ReLU masks of the training
+  // passes (relu_in) must be the forward's bit for bit, which a contraction
+  // left to the compiler does not promise at every site
+  static V fma(V a, V b, V c) {
+#if defined(__AVX512F__)
+    return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX__) && defined(__FMA__)
+    return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    V r;
+    for (int64_t i = 0; i < VL; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+  }
   // a non-temporal store where p is aligned to the vector (else a plain one):
   // for maps no pass reads again soon, so that writing them does not first
   // read their lines into the cache; fence_stores() before the map is read
@@ -69,8 +83,31 @@ struct OneLane {  // one channel
   static V load(const float* p) { return *p; }
   static void store(float* p, V v) { *p = v; }
   static V splat(float s) { return s; }
+  static V fma(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
   static void store_nt(float* p, V v) { *p = v; }
 };
+
+// The value convolution and KCLA's output ReLU round the same way in every
+// pass: the ReLU masks of the training passes must be the forward's bit for
+// bit. Left to the compiler, a * b + c * d may become fma(a, b, c * d) at one
+// site and fma(c, d, a * b) at another (GCC chose by the code around it), so
+// the fused multiply-adds are written out (L::fma) in one fixed order.
+//
+// One tap row of the depthwise 3x3 convolution: k[0] a + k[1] b + k[2] c, as
+// fma(k[2], c, fma(k[1], b, k[0] a)).
+template <class L>
+inline typename L::V tap_row(const typename L::V* k, typename L::V a, typename L::V b,
+                             typename L::V c) {
+  return L::fma(k[2], c, L::fma(k[1], b, k[0] * a));
+}
+
+// z = a v + shift, the input of KCLA's output ReLU, rounded once: every pass
+// that computes it (train_apply, the gradient passes, eval_step) gets the same
+// value, so the same mask
+template <class L>
+inline typename L::V relu_in(typename L::V a, typename L::V v, typename L::V shift) {
+  return L::fma(a, v, shift);
+}
 
 // orders the non-temporal stores of store_nt before what follows
 inline void fence_stores() {
@@ -145,15 +182,14 @@ inline void load_window(const float* const rows[3], int64_t w0, int64_t W, int64
 }
 
 // acc[j] = (k * in)(j): the convolution (cross-correlation) of a window, in
-// conv_acc's order. (For full vectors it rounds as conv_acc does; in the
-// one-channel lanes GCC compiles the two to other roundings.)
+// conv_acc's order and roundings (tap_row)
 template <class L, int NW>
 inline void conv_window(const typename L::V k[9], const typename L::V in[3][NW + 2],
                         typename L::V acc[NW]) {
   for (int j = 0; j < NW; ++j) acc[j] = L::splat(0.f);
   for (int i = 0; i < 3; ++i)
     for (int j = 0; j < NW; ++j)
-      acc[j] += k[3 * i] * in[i][j] + k[3 * i + 1] * in[i][j + 1] + k[3 * i + 2] * in[i][j + 2];
+      acc[j] += tap_row<L>(k + 3 * i, in[i][j], in[i][j + 1], in[i][j + 2]);
 }
 
 // conv_acc with the three tap rows summed apart, then together: 3-deep
@@ -161,7 +197,10 @@ inline void conv_window(const typename L::V k[9], const typename L::V in[3][NW +
 // with benchmark_cpu_ops.py on the AMD VM: eval_step 59 -> 42 ms per ResNet-50
 // forward; in train_stats the same change was 25% slower, so the training
 // kernels keep conv_acc (and the order of its sums: the ReLU masks of the
-// training passes must be the forward's bit for bit).
+// training passes must be the forward's bit for bit). Only eval_step uses it,
+// whose output no other pass recomputes, so its multiply-adds are left to the
+// compiler: tap_row's order here measured 7% slower (Intel VM, 2026-12-06:
+// 23.95 against 22.43 ms per ResNet-50 forward).
 template <class L, int NW>
 inline void conv_acc_split(const float* const rows[3], const typename L::V k[9], int64_t w0,
                            int64_t W, int64_t C, int64_t c0, typename L::V acc[NW]) {
@@ -203,8 +242,7 @@ inline void conv_acc(const float* const rows[3], const typename L::V k[9], int64
       const int64_t w = w0 - 1 + j;
       in[j] = (w >= 0 && w < W) ? L::load(r + w * C + c0) : zero;
     }
-    for (int j = 0; j < NW; ++j)
-      acc[j] += k[3 * i] * in[j] + k[3 * i + 1] * in[j + 1] + k[3 * i + 2] * in[j + 2];
+    for (int j = 0; j < NW; ++j) acc[j] += tap_row<L>(k + 3 * i, in[j], in[j + 1], in[j + 2]);
   }
 }
 
@@ -232,9 +270,9 @@ inline void conv_span(const float* const rows[3], const float* wt, int64_t w0, i
     V c[3];
     for (int i = 0; i < 3; ++i) c[i] = col(i, w0 + j + 1);
     V acc = zero;
-    if (r0) acc += k[0] * a[0] + k[1] * b[0] + k[2] * c[0];
-    acc += k[3] * a[1] + k[4] * b[1] + k[5] * c[1];
-    if (r2) acc += k[6] * a[2] + k[7] * b[2] + k[8] * c[2];
+    if (r0) acc += tap_row<L>(k, a[0], b[0], c[0]);
+    acc += tap_row<L>(k + 3, a[1], b[1], c[1]);
+    if (r2) acc += tap_row<L>(k + 6, a[2], b[2], c[2]);
     L::store(out + j * C + c0, acc);
     for (int i = 0; i < 3; ++i) a[i] = b[i], b[i] = c[i];
   }
@@ -326,7 +364,7 @@ inline void conv_row(const float* const rows[3], const float* x, float* out, con
     const V va = L::load(a + c0), vs = L::load(shift + c0), zero = L::splat(0.f);
     for (int j = 0; j < NW; ++j) {
       const int64_t o = (w0 + j) * C + c0;
-      V v = va * acc[j] + vs;
+      V v = relu_in<L>(va, acc[j], vs);
       v = v > zero ? v : zero;
       L::store(out + o, L::load(x + o) + v);
     }

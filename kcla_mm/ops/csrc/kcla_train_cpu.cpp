@@ -93,13 +93,11 @@ inline void flush_sums(std::vector<float>& s1, std::vector<float>& s2, double* a
   std::fill(s2.begin(), s2.end(), 0.f);
 }
 
-// the gradient at the ReLU's input: g = dL/do = gy keep [a v + shift > 0]
-// (the same expression as conv_row's, so the mask is the forward's bit for bit)
+// the gradient at the ReLU's input: g = dL/do = gy keep [z > 0], z = a v +
+// shift from relu_in (as the forward's, so the mask is the forward's bit for bit)
 template <class L>
-inline typename L::V relu_grad(typename L::V acc, typename L::V va, typename L::V vs,
-                               typename L::V gy, typename L::V keep) {
+inline typename L::V relu_grad(typename L::V z, typename L::V gy, typename L::V keep) {
   const typename L::V zero = L::splat(0.f);
-  const typename L::V z = va * acc + vs;
   return z > zero ? gy * keep : zero;
 }
 
@@ -237,7 +235,7 @@ at::Tensor train_apply(const at::Tensor& x, const at::Tensor& mean, const at::Te
           const int64_t o = (w0 + j) * C + c0;
           if (next_staged != nullptr && c0 % 16 == 0) __builtin_prefetch(next_staged + o);
           const V zero = L::splat(0.f);
-          V z = L::load(ab + c0) * L::load(v.data() + j * C + c0) + L::load(sb + c0);
+          V z = relu_in<L>(L::load(ab + c0), L::load(v.data() + j * C + c0), L::load(sb + c0));
           z = z > zero ? z : zero;
           L::store_nt(orow + o, L::load(xr + o) + z);
         });
@@ -297,7 +295,8 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
         const V vk = L::splat(keep);
         V a1 = L::load(r1.data() + c0), a2 = L::load(r2.data() + c0);
         for (int j = 0; j < NW; ++j) {
-          const V g = relu_grad<L>(v[j], va, vs, L::load(gr + (w0 + j) * C + c0), vk);
+          const V z = relu_in<L>(va, v[j], vs);
+          const V g = relu_grad<L>(z, L::load(gr + (w0 + j) * C + c0), vk);
           a1 += g;
           a2 += g * v[j];
         }
@@ -317,7 +316,8 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
 // sum over pixels of gm (x - prev), gwv [C, 9] float64, [B, 2, C] float64 as
 // train_grad_stats). x_is_out: x holds the step's output x + relu(a v + shift)
 // instead (what the next block keeps anyway), and x is taken as out minus
-// relu(a v + shift), recomputed (float rounding: |error| <= ulp(out) per value).
+// relu(a v + shift), the value the gradient rows compute for the mask, which is
+// train_apply's addend bit for bit (float rounding: |error| <= ulp(out) / 2).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_backward(
     const at::Tensor& gy, const c10::optional<at::Tensor>& gmean_opt, const at::Tensor& x,
     const c10::optional<at::Tensor>& prev_opt, const at::Tensor& mean,
@@ -367,15 +367,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     // rows the convolution reads, staged; row sums (gw in the layout of taps())
     StagedRows st(W, C);
     const int64_t P = st.stride(), ring_row = ((W * P + 15) / 16) * 16 + 16;
-    std::vector<float> ring_buf(3 * ring_row + 16), red(n_red_f);
+    const bool out_given = x_is_out && has_prev;
+    // x_is_out: relu(a v + shift) of rows h and h + 1 after the gv ring, in
+    // the same layout: x = out - relu(a v + shift) of the gradient rows
+    std::vector<float> ring_buf((out_given ? 5 : 3) * ring_row + 16), red(n_red_f);
     float* ring = ring_buf.data() +
                   ((64 - reinterpret_cast<uintptr_t>(ring_buf.data()) % 64) % 64) / sizeof(float);
-    const bool out_given = x_is_out && has_prev;
+    float* relu_ring = ring + 3 * ring_row;
     float *r1 = red.data(), *r2 = r1 + C, *gb = r2 + C, *gw = gb + C;
     const int64_t off = b * m.plane, bc = b * C;
     const float* mb = mp + off;
     const float keep = kp ? kp[b] : 1.f;
     auto slot = [&](int64_t r) { return ring + ((r + 3) % 3) * ring_row; };
+    auto relu_slot = [&](int64_t r) { return relu_ring + ((r + 2) % 2) * ring_row; };
     auto mean_row = [&](int64_t h) -> const float* {
       return h >= 0 && h < H ? mb + h * row : nullptr;
     };
@@ -393,6 +397,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     // gv row r into the ring; own: the row is this band's, its sums count here
     auto gv_row = [&](int64_t r, bool own) {
       float* dst = slot(r);
+      float* relu_dst = relu_slot(r);
       const float* rows[3];
       rows[2] = staged_row(r + 1);  // stages r - 1 .. r + 1 as needed, in order
       rows[0] = staged_row(r - 1);
@@ -410,22 +415,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
         load_taps<L>(wt.data(), C, c0, k);
         load_window<L, NW>(rows, w0, W, P, c0, in);
         // v as train_apply and train_grad_stats compute it, bit for bit (their
-        // ReLU masks): from the window for full vectors; by conv_acc in the
-        // one-channel lanes, where conv_window rounds otherwise (measured)
-        if (L::n == VL) {
-          conv_window<L, NW>(k, in, v);
-        } else {
-          conv_acc<L, NW>(rows, k, w0, W, P, c0, v);
-        }
+        // ReLU masks, with relu_in's): tap_row's roundings in all three
+        conv_window<L, NW>(k, in, v);
         const V va = L::load(ap + bc + c0), vs = L::load(sp + bc + c0), vk = L::splat(keep);
         const V al = L::load(alp + bc + c0), ka = L::load(kap + bc + c0),
                 la = L::load(lap + bc + c0);
-        V a1 = L::splat(0.f), a2 = a1;
+        const V zero = L::splat(0.f);
+        V a1 = zero, a2 = a1;
         for (int j = 0; j < NW; ++j) {
           const int64_t o = (w0 + j) * C + c0;
-          const V g = relu_grad<L>(v[j], va, vs, L::load(gr + o), vk);
+          const V z = relu_in<L>(va, v[j], vs);
+          const V g = relu_grad<L>(z, L::load(gr + o), vk);
           gv[j] = al * g + ka + la * v[j];
           L::store(dst + (w0 + j) * P + c0, gv[j]);
+          if (out_given) L::store(relu_dst + (w0 + j) * P + c0, z > zero ? z : zero);
           a1 += g;
           a2 += g * v[j];
         }
@@ -448,20 +451,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     // transposed convolution span by span into gmv (conv_pixels), then the
     // maps streamed in order
     const int64_t S = span_pixels(C);
-    std::vector<float> gmv(S * C), vsp(out_given ? S * C : 0);
+    std::vector<float> gmv(S * C);
     auto grad_row = [&](int64_t h) {
       const float* rows[3] = {h > 0 ? slot(h - 1) : nullptr, slot(h),
                               h + 1 < H ? slot(h + 1) : nullptr};
       const int64_t ro = off + h * row;
-      const float* m_rows[3] = {mean_row(h - 1), mean_row(h), mean_row(h + 1)};
+      const float* relu_row = relu_slot(h);
       for (int64_t w0 = 0; w0 < W; w0 += S) {
         const int64_t n = std::min(S, W - w0);
         conv_pixels(rows, wt_flip.data(), w0, n, W, C, P, gmv.data());
-        // x_is_out: v again, for x = out - relu(a v + shift) (computed here,
-        // not kept from gv_row: any change there made GCC compile relu_grad's
-        // test to other roundings, masks that differed from the forward's;
-        // here the rounding of v only moves x by float rounding)
-        if (out_given) conv_pixels(m_rows, wt.data(), w0, n, W, C, C, vsp.data());
         row_tiles<1>(n, C, [&](auto lanes, auto, int64_t j, int64_t c0) {
           using L = decltype(lanes);
           using V = typename L::V;
@@ -476,12 +474,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
           L::store_nt(gxp + o, L::load(gyp + o) + g * bt);
           L::store_nt(gpp + o, g * omb);
           V xv = L::load(xp + o);
-          if (out_given) {  // x = out - relu(a v + shift), train_apply's addend
-            const V zero = L::splat(0.f),
-                    z = L::load(ap + bc + c0) * L::load(vsp.data() + j * C + c0) +
-                        L::load(sp + bc + c0);
-            xv -= z > zero ? z : zero;
-          }
+          // x = out - relu(a v + shift), train_apply's addend bit for bit
+          if (out_given) xv -= L::load(relu_row + (w0 + j) * P + c0);
           L::store(gb + c0, L::load(gb + c0) + (xv - L::load(pp + o)) * g);
         });
       }
