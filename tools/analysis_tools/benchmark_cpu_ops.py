@@ -104,6 +104,9 @@ def stage_inputs(channels: int, size: int, batch: int, seed: int,
                  norm_shift=torch.rand(channels) - 0.5)
     d = {**maps, **vec, **extra}
     d['mean'] = torch.ops.kcla_mm.train_stats(d['x'], d['prev'], d['beta'], d['wv'])[0]
+    # the step's output: what train_backward reads in place of x in the model
+    # (x_is_out) for every block but the first
+    d['out'] = torch.ops.kcla_mm.train_apply(d['x'], d['mean'], d['wv'], d['a'], d['shift'])
     return d
 
 
@@ -115,8 +118,8 @@ def calls(namespace: str) -> Dict[str, Callable[[Dict[str, torch.Tensor]], objec
         'train_grad_stats': lambda d: o.train_grad_stats(d['gy'], d['mean'], d['wv'], d['a'],
                                                          d['shift'], None),
         'train_backward': lambda d: o.train_backward(
-            d['gy'], d['gmean'], d['x'], d['prev'], d['mean'], d['beta'], d['wv'], d['a'],
-            d['shift'], None, d['alpha'], d['kappa'], d['lam']),
+            d['gy'], d['gmean'], d['out'], d['prev'], d['mean'], d['beta'], d['wv'], d['a'],
+            d['shift'], None, d['alpha'], d['kappa'], d['lam'], True),
         # not in place, so that every call sees the same inputs
         'eval_step': lambda d: o.eval_step(
             d['x'], d['prev'], d['log_z'], d['wq'], d['wk'], d['inv_tau'], d['phi'], d['wv'],
