@@ -10,14 +10,7 @@ from utils import randomize_norms
 from kcla_mm import analysis as A
 from kcla_mm.models.backbones import KCLAResNet
 
-
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine more threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def tiny(method='KCLA', depth=18, seed=0, **kw):

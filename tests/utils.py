@@ -1,4 +1,6 @@
 """Shared predicates and tiny builders for the test suite."""
+import contextlib
+
 import torch
 from torch import nn
 
@@ -33,3 +35,15 @@ def randomize_norms(module: nn.Module, seed: int = 0) -> None:
                 m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.1)
                 m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
                 m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """``torch``'s intra-op threads set to ``n`` inside, restored after: the 2 cores
+    of a CI machine are shared, and oversubscribing them costs up to 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from utils import randomize_norms
+from utils import randomize_norms, torch_threads
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kcla_ops
@@ -195,9 +195,7 @@ def test_staged_and_unstaged_rows_compute_the_same(shape, threads, monkeypatch):
              'state': (x, prev, log_z, None, False, False),
              'state in place': (x, prev, log_z, None, True, True),
              'init layer': (x, prev_big, None, adapt, False, True)}
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for name, (xx, pp, lz, ad, reuse, inplace) in cases.items():
             got = {}
             for stage in ('1', '0'):
@@ -208,8 +206,6 @@ def test_staged_and_unstaged_rows_compute_the_same(shape, threads, monkeypatch):
                     *_step_args(layer, xs, ps, lz, ad), reuse, inplace)]
             for a, b_ in zip(got['1'], got['0']):
                 assert torch.equal(a, b_), name
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def test_residual_relu_pool_is_torchs_add_and_relu_and_eval_steps_pool():

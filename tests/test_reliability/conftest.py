@@ -17,10 +17,8 @@ def restore_default_scope():
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the 2 cores are shared, and oversubscription costs 10x."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def one_thread_each():
+    """Every reliability test on one intra-op thread, set again for each test."""
+    from utils import torch_threads
+    with torch_threads(1):
+        yield

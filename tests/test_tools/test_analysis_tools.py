@@ -29,13 +29,7 @@ DETECTOR = ("_base_ = 'mmdet::faster_rcnn/faster-rcnn_r50_fpn_1x_coco.py'\n"
             "    test_cfg=dict(rpn=dict(nms_pre=50, max_per_img=20)))\n")
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine more threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def tool(name):

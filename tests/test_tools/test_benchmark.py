@@ -22,13 +22,7 @@ TOOL = ROOT / 'tools' / 'analysis_tools' / 'benchmark_layer_attention.py'
 METHODS = ['none', 'MRLALight', 'FullLayerAttention', 'KCLA']
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine more threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures('one_thread')
 
 
 def cells(line):

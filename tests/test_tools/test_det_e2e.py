@@ -22,6 +22,7 @@ import mmdet
 import numpy as np
 import pytest
 import torch
+from utils import torch_threads
 
 from kcla_mm.datasets.synthetic_coco import generate
 from kcla_mm.utils.checkpoint import TRUST_ENV
@@ -277,14 +278,10 @@ def test_train_then_test_is_reproducible(tmp_path, data_root, test_tool, monkeyp
     # 2nd test: the same tool in this process (another process, another start).
     monkeypatch.setenv('LOCAL_RANK', '0')
     monkeypatch.delenv(TRUST_ENV, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         second = test_tool.main([str(config), checkpoint, '--work-dir', str(tmp_path / 'test2'),
                                  '--out', str(tmp_path / 'test2.pkl'), '--cfg-options',
                                  *options])
-    finally:
-        torch.set_num_threads(threads)
 
     first = read_test_metrics(str(tmp_path / 'test1'))
     assert first == val
