@@ -4,7 +4,10 @@ For each training kernel (``train_stats``, ``train_apply``, ``train_grad_stats``
 ``train_backward``) and the eval kernel (``eval_step``): the time of one call
 per block, summed over the blocks of a ResNet-50 (3, 4, 6 and 3 blocks of
 256, 512, 1024 and 2048 channels at 1/4 .. 1/32 of the input size), median
-over interleaved rounds. ``--against DIR`` adds builds of other kernel
+over interleaved rounds. ``train_backward`` is called as the model calls it
+for every block but the first: given the step's output, from which it takes
+``x`` (``x_is_out``; before the fourteenth session the tool gave it ``x``,
+which skips that work). ``--against DIR`` adds builds of other kernel
 sources (a ``kcla_mm/ops/csrc`` folder, e.g. of a ``git worktree`` at another
 commit): each is compiled under its own op namespace, checked to compute
 what the installed build computes, and timed in the same rounds, so that two
@@ -31,7 +34,8 @@ of the ResNet-50 read from memory, with ``torch.add`` of two maps as a
 reference that memory traffic bounds. A ratio near 1 says the op is bound by
 its own instructions; near the reference's, by memory. (On the Intel VM the
 four training kernels took 50-70% of their from-memory time on the same work
-in L2, ``train_backward`` 70%, ``eval_step`` 33-39%, ``torch.add`` 15%.
+in L2, ``train_backward`` 70%, ``eval_step`` 33-39%, ``torch.add`` 15%
+(fourth session, ``train_backward`` given ``x``).
 The writes of maps stored non-temporally go to memory in both figures.)
 
 Restarts itself with the tuned CPU allocator settings unless
