@@ -40,10 +40,11 @@ Build ahead of time (e.g. in a Docker image): ``python -m kcla_mm.ops.cpu_kernel
 import hashlib
 import os
 import platform
+import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -134,6 +135,54 @@ def available(build: bool = True) -> bool:
 def build_error() -> Optional[BaseException]:
     """The exception of a failed build, if any."""
     return _STATE.get('error')
+
+
+_LIBRARY = re.compile(r'TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(kcla_mm\b')
+
+
+def renamespaced(source: str, namespace: str) -> str:
+    """Kernel source text with its ops registered under ``torch.ops.<namespace>``."""
+    return _LIBRARY.sub(lambda m: f'TORCH_LIBRARY{m.group(1) or ""}({namespace}', source)
+
+
+def build_variant(csrc: Path, workdir: Path, prefix: str,
+                  flags: Optional[Sequence[str]] = None) -> str:
+    """Compile the kernel sources of ``csrc`` with their ops under a namespace of their own.
+
+    For side-by-side builds in one process: another version of the sources
+    (``tools/analysis_tools/benchmark_cpu_ops.py --against``), or the same
+    sources for other instruction sets (the tests). The namespace,
+    ``<prefix>_<digest of the sources and flags>``, is returned; the ops are
+    ``getattr(torch.ops, namespace)``.
+
+    Args:
+        csrc: a folder of kernel sources, as ``kcla_mm/ops/csrc``.
+        workdir: where the renamed sources are written.
+        prefix: the namespace's start (a C++ identifier).
+        flags: the C++ flags; default :func:`compile_flags`.
+
+    Raises:
+        FileNotFoundError: ``csrc`` has no ``.cpp`` file.
+    """
+    csrc = Path(csrc)
+    sources = sorted(csrc.glob('*.cpp'))
+    if not sources:
+        raise FileNotFoundError(f'{csrc}: no .cpp files there (expected a kcla_mm/ops/csrc)')
+    flags = list(compile_flags() if flags is None else flags)
+    digest = hashlib.sha1(b''.join(p.read_bytes() for p in sorted(csrc.iterdir()) if p.is_file())
+                          + ' '.join(flags).encode()).hexdigest()[:10]
+    namespace = f'{prefix}_{digest}'
+    dst = Path(workdir) / namespace
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in csrc.iterdir():
+        if p.is_file():
+            text = p.read_text()
+            (dst / p.name).write_text(renamespaced(text, namespace) if p.suffix == '.cpp'
+                                      else text)
+    from torch.utils.cpp_extension import load
+    load(name=f'{namespace}_ext', sources=[str(dst / p.name) for p in sources],
+         extra_cflags=flags, extra_ldflags=['-fopenmp'], is_python_module=False)
+    return namespace
 
 
 if __name__ == '__main__':

@@ -9,6 +9,8 @@ path, with the block outputs recomputed for the next block's saved copies.
 """
 import copy
 import functools
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -658,14 +660,12 @@ def test_relu_masks_of_the_passes_agree_bit_for_bit(c, w):
     assert torch.equal(back_stats[:, 0], on)
 
 
-@pytest.mark.parametrize('c,w', [(20, 6), (256, 20)])
-def test_relu_input_is_rounded_once_in_every_pass(c, w):
+def _check_relu_input_rounded_once(ops, c, w):
     # z = a v + shift with shift = -fl(a v): rounded once (a fused multiply-
     # add) z is the product's rounding error, of either sign; rounded twice it
     # is 0 everywhere. The forward's mask must be the fused one, the gradient
     # passes' masks the forward's, and train_backward's x taken from the
     # output (x_is_out) must subtract exactly the forward's addend.
-    ops = torch.ops.kcla_mm
     g = torch.Generator().manual_seed(c)
     b, h = 2, 7
     mean = cl(torch.rand(b, c, 1, 1, generator=g).add(0.5).expand(b, c, h, w))
@@ -689,6 +689,45 @@ def test_relu_input_is_rounded_once_in_every_pass(c, w):
     assert torch.equal(given[4][:, 0], on)
     for want, got in zip(given, from_out):  # out - relu(z) is x = 0 exactly
         assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize('c,w', [(20, 6), (256, 20)])
+def test_relu_input_is_rounded_once_in_every_pass(c, w):
+    _check_relu_input_rounded_once(torch.ops.kcla_mm, c, w)
+
+
+@pytest.mark.slow  # two more builds of the kernels (about a minute each on 2 cores)
+@pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'),
+                    reason='x86-64 instruction sets')
+@pytest.mark.parametrize('march', ['haswell', 'x86-64'])
+def test_other_instruction_sets_round_alike_and_compute_the_same(march, tmp_path):
+    # The fused multiply-adds are written out per instruction set (AVX-512,
+    # AVX2 with FMA, else fmaf per lane): the builds for a CPU with AVX2 and
+    # FMA and for one with neither, which this machine's -march=native build
+    # never compiles, must round a v + shift once in every pass too, and
+    # compute what the installed build computes.
+    ns = cpu_kernels.build_variant(Path(cpu_kernels.__file__).with_name('csrc'), tmp_path,
+                                   f'kcla_isa_{march.replace("-", "_")}',
+                                   ['-O3', '-fopenmp', f'-march={march}'])
+    ops, ref = getattr(torch.ops, ns), torch.ops.kcla_mm
+    for c, w in [(20, 6), (256, 20)]:
+        _check_relu_input_rounded_once(ops, c, w)
+    g = torch.Generator().manual_seed(0)
+    b, c, h, w = 2, 40, 6, 5
+    x, prev, gy, gmean = (cl(torch.randn(b, c, h, w, generator=g)) for _ in range(4))
+    beta, a, alpha, kappa, lam = (torch.rand(b, c, generator=g) for _ in range(5))
+    shift = torch.randn(b, c, generator=g)
+    wv = torch.randn(c, 1, 3, 3, generator=g) / 3
+    mean, sums = ref.train_stats(x, prev, beta, wv)
+    got_mean, got_sums = ops.train_stats(x, prev, beta, wv)
+    torch.testing.assert_close(got_mean, mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_sums, sums, rtol=1e-5, atol=1e-4)
+    out = ref.train_apply(x, mean, wv, a, shift)
+    torch.testing.assert_close(ops.train_apply(x, mean, wv, a, shift), out,
+                               rtol=1e-5, atol=1e-5)
+    args = (gy, gmean, out, prev, mean, beta, wv, a, shift, None, alpha, kappa, lam, True)
+    for want, got in zip(ref.train_backward(*args), ops.train_backward(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize('with_state', [False, True])

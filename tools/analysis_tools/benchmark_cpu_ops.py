@@ -42,9 +42,7 @@ Restarts itself with the tuned CPU allocator settings unless
 ``--default-allocator`` (see :data:`kcla_mm.benchmark.TUNED_ALLOCATOR_ENV`).
 """
 import argparse
-import hashlib
 import math
-import re
 import shutil
 import statistics
 import tempfile
@@ -60,34 +58,6 @@ from kcla_mm.ops import cpu_kernels
 #: ResNet-50's stages: (channels, stride to the input, blocks)
 STAGES = ((256, 4, 3), (512, 8, 4), (1024, 16, 6), (2048, 32, 3))
 OPS = ('train_stats', 'train_apply', 'train_grad_stats', 'train_backward', 'eval_step')
-_LIBRARY = re.compile(r'TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(kcla_mm\b')
-
-
-def renamespaced(source: str, namespace: str) -> str:
-    """Kernel source text with its ops registered under ``torch.ops.<namespace>``."""
-    return _LIBRARY.sub(lambda m: f'TORCH_LIBRARY{m.group(1) or ""}({namespace}', source)
-
-
-def build_variant(csrc: Path, workdir: Path, index: int) -> str:
-    """Compile the kernels of ``csrc`` under a namespace of their own; returns it."""
-    sources = sorted(csrc.glob('*.cpp'))
-    if not sources:
-        raise SystemExit(f'--against {csrc}: no .cpp files there (expected a kcla_mm/ops/csrc)')
-    digest = hashlib.sha1(b''.join(p.read_bytes() for p in sorted(csrc.iterdir())
-                                   if p.is_file())).hexdigest()[:10]
-    namespace = f'kcla_ab{index}_{digest}'
-    dst = workdir / namespace
-    dst.mkdir(parents=True)
-    for p in csrc.iterdir():
-        if p.is_file():
-            text = p.read_text()
-            (dst / p.name).write_text(renamespaced(text, namespace) if p.suffix == '.cpp'
-                                      else text)
-    from torch.utils.cpp_extension import load
-    load(name=f'{namespace}_ext', sources=[str(dst / p.name) for p in sources],
-         extra_cflags=cpu_kernels.compile_flags(), extra_ldflags=['-fopenmp'],
-         is_python_module=False)
-    return namespace
 
 
 def stage_inputs(channels: int, size: int, batch: int, seed: int,
@@ -345,7 +315,10 @@ def main(argv=None) -> Dict[tuple, List[float]]:
     workdir = Path(tempfile.mkdtemp(prefix='kcla_ops_ab_'))
     try:
         for i, csrc in enumerate(args.against):
-            ns = build_variant(csrc, workdir, i)
+            try:
+                ns = cpu_kernels.build_variant(csrc, workdir, f'kcla_ab{i}')
+            except FileNotFoundError as e:
+                raise SystemExit(f'--against {e}') from None
             check_same(ns, data, args.ops)
             namespaces.append(ns)
             labels.append(str(csrc))

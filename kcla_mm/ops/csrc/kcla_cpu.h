@@ -52,7 +52,9 @@ struct VecLanes {  // a full vector of VL channels
   static V splat(float s) { return V{} + s; }  // one broadcast (a lane loop is not)
   // a b + c rounded once, on every build: the ReLU masks of the training
   // passes (relu_in) must be the forward's bit for bit, which a contraction
-  // left to the compiler does not promise at every site
+  // left to the compiler does not promise at every site. (Without FMA
+  // instructions, x86-64 CPUs before 2013, fmaf runs in software: slow, but
+  // the same numbers; tests build for -march=haswell and -march=x86-64.)
   static V fma(V a, V b, V c) {
 #if defined(__AVX512F__)
     return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
