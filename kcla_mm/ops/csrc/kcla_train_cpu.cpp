@@ -317,7 +317,7 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
 // train_grad_stats). x_is_out: x holds the step's output x + relu(a v + shift)
 // instead (what the next block keeps anyway), and x is taken as out minus
 // relu(a v + shift), the value the gradient rows compute for the mask, which is
-// train_apply's addend bit for bit (float rounding: |error| <= ulp(out) / 2).
+// train_apply's addend bit for bit (float rounding: |error| <= ulp(out) per value).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_backward(
     const at::Tensor& gy, const c10::optional<at::Tensor>& gmean_opt, const at::Tensor& x,
     const c10::optional<at::Tensor>& prev_opt, const at::Tensor& mean,
