@@ -47,3 +47,15 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def kcla_layer(channels: int, head_dim: int, seed: int = 0, **kwargs) -> nn.Module:
+    """A KCLA layer seeded by ``seed``, its norms randomised (:func:`randomize_norms`)
+    and ``Phi`` halved: gates away from 0 and 1, outputs of both signs after the norm."""
+    from kcla_mm.ops import KCLA
+    torch.manual_seed(seed)
+    layer = KCLA(channels, head_dim=head_dim, **kwargs)
+    randomize_norms(layer, seed)
+    with torch.no_grad():
+        layer.phi.weight.mul_(0.5)
+    return layer

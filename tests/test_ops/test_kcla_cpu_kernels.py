@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from utils import randomize_norms, torch_threads
+from utils import kcla_layer, randomize_norms, torch_threads
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kcla_ops
@@ -51,12 +51,7 @@ def cl(t):
 
 
 def make(channels, head_dim=16, seed=0, **kw):
-    torch.manual_seed(seed)
-    layer = KCLA(channels, head_dim=head_dim, **kw)
-    randomize_norms(layer, seed)
-    with torch.no_grad():  # gates away from 0/1 and values of both signs after the norm
-        layer.phi.weight.mul_(0.5)
-    return layer.eval()
+    return kcla_layer(channels, head_dim, seed, **kw).eval()
 
 
 # (batch, channels, head_dim, H, W): batch 1 with many rows runs in bands with

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from utils import randomize_norms
+from utils import kcla_layer, randomize_norms
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kmod
@@ -79,12 +79,8 @@ def relative_errors(got, want):
 
 
 def make(channels, head_dim, drop_path=0.0, momentum=0.1, seed=0):
-    torch.manual_seed(seed)
-    layer = KCLA(channels, head_dim=head_dim, drop_path=drop_path)
+    layer = kcla_layer(channels, head_dim, seed, drop_path=drop_path)
     layer.norm.momentum = momentum
-    randomize_norms(layer, seed)
-    with torch.no_grad():  # gates away from 0/1 and outputs of both signs
-        layer.phi.weight.mul_(0.5)
     return layer.train()
 
 
