@@ -19,7 +19,8 @@ PAPER = [c for c in CONFIGS if c.endswith('-256x256.py') and 'synthetic' not in 
 MMSEG_STYLE = [c for c in CONFIGS if c.endswith('-512x512.py')]
 NAME = re.compile(r'^unet_(kcla-|mrla-light-|full-la-)?r(18|34|50)(-tiny)?'
                   r'_1xb(8|16)-(300e|20k|\d+i)'
-                  r'_(isic2017|isic2018|kvasir-seg|synthetic-kvasir)-(?P<crop>\d+)x(?P=crop)\.py$')
+                  r'_(?P<dataset>isic2017|isic2018|kvasir-seg|synthetic-kvasir)'
+                  r'-(?P<crop>\d+)x(?P=crop)\.py$')
 LAYER_ATTN = {'kcla-': 'KCLA', 'mrla-light-': 'MRLALight', 'full-la-': 'FullLayerAttention',
               None: None}
 
@@ -64,6 +65,26 @@ def test_components_are_registered(path):
     for evaluator in cfg.val_evaluator:
         assert METRICS.get(evaluator.type) is not None
     assert {e.type for e in cfg.val_evaluator} == {'IoUMetric', 'ForegroundIoUMetric'}
+
+
+DATASET = {'isic2017': ('ISIC2017Dataset', 'data/isic2017'),
+           'isic2018': ('ISIC2018Dataset', 'data/isic2018'),
+           'kvasir-seg': ('KvasirSEGDataset', 'data/kvasir_seg'),
+           'synthetic-kvasir': ('KvasirSEGDataset', 'work_dirs/demo_seg/data')}
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=ids(CONFIGS))
+def test_loaders_read_the_named_dataset(path):
+    """Each config's three loaders read the dataset its name says, val and test alike."""
+    cfg = load(path)
+    expected = DATASET[NAME.match(osp.basename(path)).group('dataset')]
+    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        assert (cfg[loader].dataset.type, cfg[loader].dataset.data_root) == expected, loader
+    split = {loader: cfg[loader].dataset.data_prefix.img_path
+             for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader')}
+    assert split == {'train_dataloader': 'images/train', 'val_dataloader': 'images/val',
+                     'test_dataloader': 'images/val'}
+    assert cfg.test_dataloader.to_dict() == cfg.val_dataloader.to_dict()
 
 
 @pytest.mark.parametrize('path', PAPER, ids=ids(PAPER))
