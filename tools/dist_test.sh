@@ -8,19 +8,4 @@ if [ $# -lt 3 ]; then
     echo "usage: $0 CONFIG CHECKPOINT GPUS [tools/test.py arguments]" >&2
     exit 2
 fi
-CONFIG=$1
-CHECKPOINT=$2
-GPUS=$3
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [ -z "${PYTHON:-}" ]; then
-    PYTHON="$ROOT/.venv/bin/python"
-    [ -x "$PYTHON" ] || PYTHON=python
-fi
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
-exec "$PYTHON" -m torch.distributed.run \
-    --nnodes="${NNODES:-1}" \
-    --node_rank="${NODE_RANK:-0}" \
-    --master_addr="${MASTER_ADDR:-127.0.0.1}" \
-    --nproc_per_node="$GPUS" \
-    --master_port="${PORT:-29500}" \
-    "$ROOT/tools/test.py" "$CONFIG" "$CHECKPOINT" --launcher pytorch "${@:4}"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/dist_launch.sh" test.py "$3" 2 "$1" "$2" "${@:4}"

@@ -21,18 +21,15 @@ Examples::
     python tools/test.py CONFIG CKPT --out results.pkl --show-dir vis
 """
 import argparse
-import os
-import os.path as osp
 from typing import Optional, Sequence
 
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.evaluator import DumpResults
-from mmengine.registry import RUNNERS, init_default_scope
-from mmengine.runner import Runner
 
 import kcla_mm  # noqa: F401  (registers the components, installs the safe loader)
-from kcla_mm.utils.checkpoint import TRUST_ENV
 from kcla_mm.utils.dist import shutdown_distributed
+from kcla_mm.utils.runner_cli import (add_runner_args, build_runner, load_runner_config,
+                                      parse_runner_args)
 
 PICKLE_EXTENSIONS = ('.pkl', '.pickle')
 
@@ -41,7 +38,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description='Test a checkpoint (mmdet or mmseg config)')
     parser.add_argument('config', help='test config file path')
     parser.add_argument('checkpoint', help='checkpoint file')
-    parser.add_argument('--work-dir', help='the dir to save logs and the metrics file')
     parser.add_argument('--out', help='dump the predictions: a .pkl file (any config) or, for '
                         'mmseg configs, a directory for the predicted masks')
     parser.add_argument('--show', action='store_true', help='show the predictions in a window')
@@ -49,21 +45,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         '(mmdet: relative to work_dir/<timestamp>)')
     parser.add_argument('--wait-time', type=float, default=2,
                         help='seconds each image is shown with --show')
-    parser.add_argument('--trust-checkpoint', action='store_true',
-                        help=f'load checkpoints with pickle (sets {TRUST_ENV}=1). Loading a '
-                        'pickle can run arbitrary code: only for files you trust')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
-                        help='override settings of the config, key=value pairs merged into '
-                        'it, e.g. test_dataloader.batch_size=4; a list is written '
-                        'key="[a,b]" or key=a,b (quotes needed, no spaces)')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
-                        default='none', help='job launcher')
-    # torch.distributed launchers pass --local-rank (torch >= 2) or --local_rank.
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args(argv)
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    add_runner_args(parser, 'the dir to save logs and the metrics file',
+                    'test_dataloader.batch_size=4')
+    return parse_runner_args(parser, argv)
 
 
 def enable_visualization(cfg: Config, show: bool, show_dir: Optional[str],
@@ -92,15 +76,7 @@ def _seg_metrics_with_output_dir(cfg: Config) -> list:
 
 def build_config(args: argparse.Namespace) -> Config:
     """The config of ``args.config`` with the command-line settings applied."""
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    # work_dir: command line > config > ./work_dirs/<config name>
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg = load_runner_config(args)
     cfg.load_from = args.checkpoint
     if args.show or args.show_dir:
         enable_visualization(cfg, args.show, args.show_dir, args.wait_time)
@@ -124,20 +100,9 @@ def dump_metric(scope: Optional[str], out_file: str):
     return DumpResults(out_file_path=out_file)
 
 
-def build_runner(cfg: Config) -> Runner:
-    """The default ``Runner``, or the config's ``runner_type`` from its scope."""
-    if 'runner_type' not in cfg:
-        return Runner.from_cfg(cfg)
-    # A custom runner type lives in the registry of the config's library.
-    init_default_scope(cfg.get('default_scope', 'mmengine'))
-    return RUNNERS.build(cfg)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Run the test; returns the metrics."""
     args = parse_args(argv)
-    if args.trust_checkpoint:
-        os.environ[TRUST_ENV] = '1'
     cfg = build_config(args)
     runner = build_runner(cfg)
     if args.out is not None and args.out.endswith(PICKLE_EXTENSIONS):

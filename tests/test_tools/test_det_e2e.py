@@ -86,6 +86,22 @@ def test_train_resume(train_tool, monkeypatch, argv, resume, load_from):
 
 
 @pytest.mark.parametrize('tool_name, extra', [('train', []), ('test', ['ckpt.pth'])])
+def test_both_tools_share_the_runner_options(request, monkeypatch, tool_name, extra):
+    """--work-dir, --cfg-options, --launcher and the launcher's --local-rank, in both tools."""
+    tool = request.getfixturevalue(f'{tool_name}_tool')
+    monkeypatch.delenv('LOCAL_RANK', raising=False)
+    args = tool.parse_args([FASTER] + extra + ['--local-rank', '3', '--launcher', 'pytorch',
+                                               '--cfg-options', 'model.backbone.depth=34'])
+    assert os.environ['LOCAL_RANK'] == '3'
+    cfg = tool.build_config(args)
+    assert cfg.launcher == 'pytorch' and cfg.model.backbone.depth == 34
+    assert cfg.work_dir == osp.join('./work_dirs', 'faster-rcnn_kcla-r18_fpn_synthetic')
+    monkeypatch.setenv('LOCAL_RANK', '1')  # set by torchrun: kept
+    cfg = tool.build_config(tool.parse_args([FASTER] + extra + ['--work-dir', 'w']))
+    assert os.environ['LOCAL_RANK'] == '1' and cfg.work_dir == 'w' and cfg.launcher == 'none'
+
+
+@pytest.mark.parametrize('tool_name, extra', [('train', []), ('test', ['ckpt.pth'])])
 def test_trust_checkpoint_flag_sets_the_opt_in(request, monkeypatch, tool_name, extra):
     tool = request.getfixturevalue(f'{tool_name}_tool')
     seen = {}
