@@ -1,5 +1,6 @@
 """Shared predicates and tiny builders for the test suite."""
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -59,3 +60,22 @@ def kcla_layer(channels: int, head_dim: int, seed: int = 0, **kwargs) -> nn.Modu
     with torch.no_grad():
         layer.phi.weight.mul_(0.5)
     return layer
+
+
+def record_calls(monkeypatch, owner, name: str, what) -> list:
+    """Wrap ``owner.name`` (a function, method or static method) to record each call.
+
+    Every call still runs the original; ``what(args, kwargs, result)`` gives what
+    is appended to the list returned. ``monkeypatch`` undoes the wrap.
+    """
+    calls = []
+    static = isinstance(inspect.getattr_static(owner, name), staticmethod)
+    orig = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        result = orig(*args, **kwargs)
+        calls.append(what(args, kwargs, result))
+        return result
+
+    monkeypatch.setattr(owner, name, staticmethod(wrapper) if static else wrapper)
+    return calls

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from utils import kcla_layer, randomize_norms, torch_threads
+from utils import kcla_layer, randomize_norms, record_calls, torch_threads
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kcla_ops
@@ -29,15 +29,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the steps the fused kernel computes."""
-    calls = []
-    orig = KCLA._fused_eval
-
-    def spy(self, *args, **kwargs):
-        calls.append(kwargs.get('adapt', False))
-        return orig(self, *args, **kwargs)
-
-    monkeypatch.setattr(KCLA, '_fused_eval', spy)
-    return calls
+    return record_calls(monkeypatch, KCLA, '_fused_eval',
+                        lambda args, kwargs, result: kwargs.get('adapt', False))
 
 
 def eager(layer, x, state, monkeypatch, **kw):
@@ -306,26 +299,22 @@ def test_backbone_pools_in_each_blocks_last_add_and_relu(build, monkeypatch):
     model = build().eval()
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
-    pooled_by = []
-    orig = kcla_resnet.residual_norm_relu_pool_
 
-    def spy(out, res, *norms):
-        x, p = orig(out, res, *norms)
-        pooled_by.append(p is not None)
-        return x, p
+    def record_pools():
+        return record_calls(monkeypatch, kcla_resnet, 'residual_norm_relu_pool_',
+                            lambda args, kwargs, result: result[1] is not None)
 
-    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
+    pooled_by = record_pools()
     with torch.no_grad():
         got = model(x)
-        assert len(pooled_by) == 16 if model.depth == 50 else 8
+        assert len(pooled_by) == (16 if model.depth == 50 else 8)
         assert all(pooled_by)
         monkeypatch.setattr(type(model), 'replayable_blocks', {})
         want = model(x)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     monkeypatch.undo()
-    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
-    pooled_by.clear()
+    pooled_by = record_pools()
     seen = []
     model.layer2[0].register_forward_pre_hook(lambda mod, inp: seen.append(1))
     with torch.no_grad():

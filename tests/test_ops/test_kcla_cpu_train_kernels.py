@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from utils import kcla_layer, randomize_norms
+from utils import kcla_layer, randomize_norms, record_calls
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kmod
@@ -33,15 +33,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the tails the fused kernels compute in training."""
-    calls = []
-    orig = fused_tail_cpu.FusedStep.apply
-
-    def spy(*args):
-        calls.append(args[0])
-        return orig(*args)
-
-    monkeypatch.setattr(fused_tail_cpu.FusedStep, 'apply', spy)
-    return calls
+    return record_calls(monkeypatch, fused_tail_cpu.FusedStep, 'apply',
+                        lambda args, kwargs, result: args[0])
 
 
 def cl(t):
@@ -170,15 +163,9 @@ def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatc
     import weakref
     torch.manual_seed(0)
     model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
-    xs, steps = [], []
-    orig = kcla_resnet.residual_norm_relu_pool_
-
-    def spy(out, res, *norms):
-        y, p = orig(out, res, *norms)
-        xs.append(weakref.ref(y))
-        return y, p
-
-    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
+    steps = []
+    xs = record_calls(monkeypatch, kcla_resnet, 'residual_norm_relu_pool_',
+                      lambda args, kwargs, result: weakref.ref(result[0]))
     hooks = [m.register_forward_hook(lambda mod, inp, out: steps.append(out[0]))
              for m in model.layer_attn_modules()]
     outs = model(torch.rand(2, 3, 64, 64))
@@ -347,14 +334,9 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, norms, 
     # where BlockEnd applies them (the default), within float rounding
     if norms == 'modules':
         monkeypatch.setattr(fused_tail_cpu, 'block_end_applicable', lambda *a: False)
-    ends = []
-    orig_end = fused_tail_cpu.BlockEnd.forward
-
-    def end_spy(ctx, norm, res_norm, *args):
-        ends.append(res_norm is not None)
-        return orig_end(ctx, norm, res_norm, *args)
-
-    monkeypatch.setattr(fused_tail_cpu.BlockEnd, 'forward', staticmethod(end_spy))
+    # BlockEnd.forward(ctx, norm, res_norm, ...): whether it had a shortcut norm
+    ends = record_calls(monkeypatch, fused_tail_cpu.BlockEnd, 'forward',
+                        lambda args, kwargs, result: args[2] is not None)
     torch.manual_seed(0)
     width = 8 if depth == 50 else 16
     base = dict(base_channels=width, head_dim=width)
@@ -362,15 +344,8 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, norms, 
                        layer_attn=dict(type='KCLA', drop_path=0.2), **base).train()
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
-    pools = []
-    orig = kcla_resnet.residual_norm_relu_pool_
-
-    def spy(out, res, *norms):
-        y, p = orig(out, res, *norms)
-        pools.append(p is not None)
-        return y, p
-
-    monkeypatch.setattr(kcla_resnet, 'residual_norm_relu_pool_', spy)
+    pools = record_calls(monkeypatch, kcla_resnet, 'residual_norm_relu_pool_',
+                         lambda args, kwargs, result: result[1] is not None)
     results = []
     for replay in (True, False):
         net = copy.deepcopy(model)
