@@ -98,6 +98,27 @@ def test_adapt_equals_adjust_batchnorm_and_pool(b, c_prev, h, w, c, groups, stri
         assert torch.equal(got[6], norm.running_mean) and torch.equal(got[7], norm.running_var)
 
 
+@pytest.mark.parametrize('offset', [10.0, 1000.0])
+def test_adapt_accurate_where_the_adjusted_map_is_far_from_zero(offset):
+    # a flat incoming state far from zero and a positive adjust: y's spread is
+    # about 1e-6 of its mean or less, and BatchNorm's statistics and gradient
+    # sums must be taken about the mean (sums of y and y^2 would cancel: the
+    # variance came out wrong by 100%, the output by units, before they were)
+    conv, norm = modules(64, 128, 4, 2, True)
+    with torch.no_grad():
+        conv.weight.uniform_(0.5, 1.5).div_(16)
+    g = torch.Generator().manual_seed(1)
+    m = (torch.rand(2, 64, 32, 32, generator=g) * 0.1 + offset).contiguous(memory_format=CL)
+    gu = torch.randn(2, 128, 16, 16, generator=g).contiguous(memory_format=CL)
+    gpool = torch.randn(2, 128, generator=g)
+    want = eager(conv, norm, m, gu, gpool, torch.float64)
+    ref32 = eager(conv, norm, m, gu, gpool, torch.float32)
+    got = fused(conv, norm, m, gu, gpool)
+    for name, x, r, y in zip(NAMES, got, ref32, want):
+        err, err32 = relative_error(x, y), relative_error(r, y)
+        assert err <= 4 * err32 + 1e-6, (name, err, err32)
+
+
 def test_adapt_without_a_pool_gradient_is_with_a_zero_one():
     conv, norm = modules(64, 128, 2, 2, True)
     m = torch.randn(2, 64, 6, 6).contiguous(memory_format=CL)

@@ -16,9 +16,10 @@
 // stay in cache. The maps the passes write (mean, out, gx, gprev) are written
 // with non-temporal stores (store_nt): no pass reads them back soon, and a
 // plain store would first read every line of the map from memory (in-model
-// A/B on ResNet-50: about 2% of a training step). Reductions sum in float over up to 8 rows, then go through
-// per-task partial sums in double, combined in a fixed order, so results do
-// not depend on the thread count's scheduling.
+// A/B on ResNet-50: about 2% of a training step). Reductions sum in float
+// over about 256 pixels (flush_after), then go through per-task partial sums
+// in double, combined in a fixed order, so results do not depend on the
+// thread count's scheduling.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -81,6 +82,20 @@ struct Bands {
     return out;
   }
 };
+
+// Whether a band's float partial sums go into the double partials after row h
+// (rows h0 .. h1 - 1): every 256 pixels or so (at least every row), and at
+// the band's end. A float sum of n values is off by up to about n ulps of its
+// terms, which a flat map far from zero turns into a large error of its
+// variance (KCLA's step on a 200x200 map: every 8 rows measured 30 times
+// ATen's error of BatchNorm's running variance, every row a third of it).
+// Flushing costs: 12 C sums per row of train_backward cost as much as a row's
+// work at C = 2048, W = 7, and every 64 pixels measured it 5% slower at
+// ResNet-50's shapes.
+inline bool flush_after(int64_t h, int64_t h0, int64_t h1, int64_t W) {
+  const int64_t rows = std::max<int64_t>(1, 256 / W);
+  return (h - h0) % rows == rows - 1 || h + 1 == h1;
+}
 
 // float row sums s1, s2 [C] into the double partials acc [2 C]; zeroes them
 inline void flush_sums(std::vector<float>& s1, std::vector<float>& s2, double* acc) {
@@ -180,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> train_stats(const at::Tensor& x,
         L::store(s1.data() + c0, a1);
         L::store(s2.data() + c0, a2);
       });
-      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(s1, s2, acc);  // every 8 rows
+      if (flush_after(h, h0, h1, W)) flush_sums(s1, s2, acc);
     }
     fence_stores();
   });
@@ -303,7 +318,7 @@ at::Tensor train_grad_stats(const at::Tensor& gy, const at::Tensor& mean, const 
         L::store(r1.data() + c0, a1);
         L::store(r2.data() + c0, a2);
       });
-      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(r1, r2, acc);  // every 8 rows
+      if (flush_after(h, h0, h1, W)) flush_sums(r1, r2, acc);
     }
   });
   return bands.per_sample_sums(partial, m.B, 2 * C).view({m.B, 2, C});
@@ -501,9 +516,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
     for (int64_t h = h0; h < h1; ++h) {
       if (h + 1 < H) gv_row(h + 1, h + 1 < h1);
       grad_row(h);
-      // into double every 8 rows: flushing 12 C sums per row cost as much as
-      // a row's work at C = 2048, W = 7
-      if ((h - h0) % 8 == 7 || h + 1 == h1) flush();
+      if (flush_after(h, h0, h1, W)) flush();
     }
     fence_stores();
   });
@@ -970,12 +983,24 @@ std::vector<at::Tensor> adapt_forward(const at::Tensor& m, const at::Tensor& w, 
   const float* mp = m.data_ptr<float>();
   float *yp = y.data_ptr<float>(), *up = ubar.data_ptr<float>();
   const int64_t prow = d.Wp * Cp, pplane = d.Hp * prow, row = W * C, plane = HW * C;
-  // pass 1: y, and per (sample, channel) sums of y and y^2
+  // k: y at the first pixel (m's first pixel through adjust), the shift of the
+  // sums below: sums of y - k and (y - k)^2 do not cancel where y's mean is
+  // large against its spread (a flat state far from zero), sums of y and y^2 do
+  const float* wp = w.data_ptr<float>();
+  std::vector<float> k(C);
+  for (int64_t c = 0; c < C; ++c) {
+    const float* mi = mp + (c / d.dout) * d.di;
+    double acc = 0.0;
+    for (int64_t i = 0; i < d.di; ++i) acc += static_cast<double>(wp[c * d.di + i]) * mi[i];
+    k[c] = static_cast<float>(acc);
+  }
+  // pass 1: y, and per (sample, channel) sums of y - k and (y - k)^2
   const Bands bands(B, H);
   std::vector<double> partial(bands.tasks * 2 * C, 0.0);
   bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
     std::vector<float> s1(C), s2(C);
     double* acc = partial.data() + t * 2 * C;
+    const float* kp = k.data();
     for (int64_t h = h0; h < h1; ++h) {
       float* yr = yp + b * plane + h * row;
       grouped_row(mp + b * pplane + h * stride * prow, stride * Cp, wt.data(), nullptr, yr, C,
@@ -985,15 +1010,16 @@ std::vector<at::Tensor> adapt_forward(const at::Tensor& m, const at::Tensor& w, 
         const float* v = yr + x * C;
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) {
-          a1[c] += v[c];
-          a2[c] += v[c] * v[c];
+          const float u = v[c] - kp[c];
+          a1[c] += u;
+          a2[c] += u * u;
         }
       }
-      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(s1, s2, acc);  // every 8 rows
+      if (flush_after(h, h0, h1, W)) flush_sums(s1, s2, acc);
     }
   });
-  at::Tensor sums = bands.per_sample_sums(partial, B, 2 * C);  // [B, 2 C]
-  const double* sp = sums.data_ptr<double>();
+  at::Tensor sums = bands.per_sample_sums(partial, B, 2 * C);  // [B, 2 C], about k
+  double* sp = sums.data_ptr<double>();
   // the statistics (channel_stats, as for the tail), then ubar = a y + sh
   const at::TensorOptions f64 = m.options().dtype(at::kDouble);
   at::Tensor mu = at::empty({C}, f64), invstd = at::empty({C}, f64);
@@ -1002,20 +1028,32 @@ std::vector<at::Tensor> adapt_forward(const at::Tensor& m, const at::Tensor& w, 
   float* pop = pooled.data_ptr<float>();
   std::vector<float> a(C), sh(C);
   const double n = static_cast<double>(B * HW);
+  const double hw = static_cast<double>(HW);
   for (int64_t c = 0; c < C; ++c) {
-    double t1 = 0, t2 = 0;  // the sums of y, in training
+    double t1 = 0, t2 = 0;  // the sums of y - k, in training
     for (int64_t b = 0; b < (training ? B : 0); ++b) {
       t1 += sp[b * 2 * C + c];
       t2 += sp[b * 2 * C + C + c];
     }
-    std::tie(mup[c], isp[c]) = channel_stats(training, t1, t2, n, factor, eps, rm[c], rv[c]);
+    std::tie(mup[c], isp[c]) =
+        channel_stats(training, t1, t2, n, factor, eps, rm[c], rv[c], k[c]);
     const double mc = mup[c];
     const double ac = gp[c] * isp[c], shc = bp[c] - ac * mc;
     a[c] = static_cast<float>(ac);
     sh[c] = static_cast<float>(shc);
-    // the pool of ubar = a y + sh is a (the pool of y) + sh
-    for (int64_t b = 0; b < B; ++b)
-      pop[b * C + c] = static_cast<float>(ac * sp[b * 2 * C + c] / static_cast<double>(HW) + shc);
+    // the pool of ubar = a y + sh is a (the pool of y) + sh = a (k + the pool
+    // of y - k - mean) + a mean + sh: about the mean, so that it does not cancel
+    for (int64_t b = 0; b < B; ++b) {
+      const double dev = k[c] - mc + sp[b * 2 * C + c] / hw;  // sample b's mean of y - mean
+      pop[b * C + c] = static_cast<float>(ac * dev + bp[c]);
+    }
+    // the sums returned: of y and y^2, from those about k (in double)
+    for (int64_t b = 0; b < B; ++b) {
+      double &s1 = sp[b * 2 * C + c], &s2 = sp[b * 2 * C + C + c];
+      const double kc = k[c];
+      s2 += 2.0 * kc * s1 + hw * kc * kc;
+      s1 += hw * kc;
+    }
   }
   // pass 2: ubar
   at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
@@ -1085,25 +1123,31 @@ std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
   const double* isp = param<double>(op, invstd, C, "invstd");
   const float *gup = gu.data_ptr<float>(), *yp = y.data_ptr<float>(),
               *mp = m.data_ptr<float>(), *wp = w.data_ptr<float>();
-  // pass A: per (sample, channel) sums of gu, gu y and y
+  // pass A: per (sample, channel) sums of gu, gu (y - mf) and y - mf, mf the
+  // mean in float: about the mean, so that they do not cancel where y's mean
+  // is large against its spread
+  std::vector<float> mf(C);
+  for (int64_t c = 0; c < C; ++c) mf[c] = static_cast<float>(mup[c]);
   const Bands bands(B, H);
   std::vector<double> partial(bands.tasks * 3 * C, 0.0);
   bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
     std::vector<float> s(3 * C, 0.f);
     double* acc = partial.data() + t * 3 * C;
     float *sg = s.data(), *sgy = sg + C, *sy = sgy + C;
+    const float* mfp = mf.data();
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t x = 0; x < W; ++x) {
         const int64_t o = b * plane + h * row + x * C;
         const float *gr = gup + o, *yr = yp + o;
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) {
+          const float u = yr[c] - mfp[c];
           sg[c] += gr[c];
-          sgy[c] += gr[c] * yr[c];
-          sy[c] += yr[c];
+          sgy[c] += gr[c] * u;
+          sy[c] += u;
         }
       }
-      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+      if (flush_after(h, h0, h1, W)) {  // into double
         for (int64_t i = 0; i < 3 * C; ++i) acc[i] += s[i];
         std::fill(s.begin(), s.end(), 0.f);
       }
@@ -1111,25 +1155,27 @@ std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
   });
   at::Tensor sums = bands.per_sample_sums(partial, B, 3 * C);  // [B, 3 C]
   const double* sp = sums.data_ptr<double>();
-  // g_y = k1 gu + k0[b] + k2 y (BatchNorm's backward with the pool's gradient folded)
+  // g_y = k1 gu + k0[b] + k2 (y - mf) (BatchNorm's backward with the pool's
+  // gradient folded)
   const auto f32 = m.options();
   at::Tensor gweight = at::empty({C}, f32), gbias = at::empty({C}, f32);
   float *gwt = gweight.data_ptr<float>(), *gbs = gbias.data_ptr<float>();
   std::vector<float> k1(C), k2(C), k0(B * C);
   const double n = static_cast<double>(B * HW);
   for (int64_t c = 0; c < C; ++c) {
-    double sg = 0, sgy = 0;
+    double sg = 0, sgy = 0;  // sums of G and G (y - mf), G the gradient with the pool's
     for (int64_t b = 0; b < B; ++b) {
       const double gpb = gpp != nullptr ? gpp[b * C + c] : 0.0;
       sg += sp[b * 3 * C + c] + gpb;
       sgy += sp[b * 3 * C + C + c] + gpb * sp[b * 3 * C + 2 * C + c] / static_cast<double>(HW);
     }
-    const double sgh = isp[c] * (sgy - mup[c] * sg);  // sum of G y_hat
+    const double dm = mup[c] - mf[c];  // the mean's rounding to float
+    const double sgh = isp[c] * (sgy - dm * sg);  // sum of G y_hat
     gbs[c] = static_cast<float>(sg);
     gwt[c] = static_cast<float>(sgh);
     const double a = gam[c] * isp[c];
     const double q2 = bn_training ? -a * isp[c] * sgh / n : 0.0;
-    const double q0 = bn_training ? -a * sg / n - q2 * mup[c] : 0.0;
+    const double q0 = bn_training ? -a * sg / n - q2 * dm : 0.0;
     k1[c] = static_cast<float>(a);
     k2[c] = static_cast<float>(q2);
     for (int64_t b = 0; b < B; ++b) {
@@ -1145,14 +1191,15 @@ std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
   bands.run([&](int64_t b, int64_t h0, int64_t h1, int64_t t) {
     std::vector<float> gyr(row), acc(n_gw, 0.f);
     double* dst = gw_partial.data() + t * n_gw;
-    const float *k1p = k1.data(), *k2p = k2.data(), *k0p = k0.data() + b * C;
+    const float *k1p = k1.data(), *k2p = k2.data(), *k0p = k0.data() + b * C, *mfp = mf.data();
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t x = 0; x < W; ++x) {
         const int64_t o = b * plane + h * row + x * C;
         const float *gr = gup + o, *yr = yp + o;
         float* out = gyr.data() + x * C;
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) out[c] = k1p[c] * gr[c] + k0p[c] + k2p[c] * yr[c];
+        for (int64_t c = 0; c < C; ++c)
+          out[c] = k1p[c] * gr[c] + k0p[c] + k2p[c] * (yr[c] - mfp[c]);
       }
       const int64_t r0 = h * stride, r1 = std::min(d.Hp, r0 + stride);
       float* gm_row = gmp + b * pplane + r0 * prow;
@@ -1179,7 +1226,7 @@ std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
             }
         }
       }
-      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+      if (flush_after(h, h0, h1, W)) {  // into double
         for (int64_t i = 0; i < n_gw; ++i) dst[i] += acc[i];
         std::fill(acc.begin(), acc.end(), 0.f);
       }
@@ -1318,7 +1365,7 @@ EndNorm end_norm(const char* op, const char* name, const at::Tensor& x, const at
   }
   const NormArgs na = norm_args(op, weight, bias, running_mean, running_var, C, true, B * HW, eps);
   // the statistics pass: per-channel sums of x - k and (x - k)^2 (float over
-  // up to 8 rows, then double, in a fixed order), k the first pixel's value:
+  // about 256 pixels, then double, in a fixed order), k the first pixel's value:
   // shifted, E[(x-k)^2] - E[x-k]^2 does not cancel where the mean is large
   const float* xp = x.data_ptr<float>();
   const std::vector<float> k(xp, xp + C);
@@ -1339,7 +1386,7 @@ EndNorm end_norm(const char* op, const char* name, const at::Tensor& x, const at
           a2[c] += u * u;
         }
       }
-      if ((h - h0) % 8 == 7 || h + 1 == h1) flush_sums(s1, s2, acc);
+      if (flush_after(h, h0, h1, W)) flush_sums(s1, s2, acc);
     }
   });
   std::vector<double> sums(2 * C, 0.0);
@@ -1487,7 +1534,7 @@ std::vector<at::Tensor> block_end_backward(
           }
         }
       }
-      if ((h - h0) % 8 == 7 || h + 1 == h1) {  // into double every 8 rows
+      if (flush_after(h, h0, h1, W)) {  // into double
         for (int64_t i = 0; i < ns * C; ++i) acc[i] += s[i];
         std::fill(s.begin(), s.end(), 0.f);
       }
