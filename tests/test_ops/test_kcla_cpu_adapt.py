@@ -66,6 +66,17 @@ NAMES = ('ubar', 'pooled', 'grad m', 'grad w', 'grad gamma', 'grad beta', 'runni
          'running var')
 
 
+def assert_as_accurate_as_float32(conv, norm, m, gu, gpool):
+    """The kernels' outputs, each within 4x (+1e-6) of float32 torch's error against float64's."""
+    want = eager(conv, norm, m, gu, gpool, torch.float64)
+    ref32 = eager(conv, norm, m, gu, gpool, torch.float32)
+    got = fused(conv, norm, m, gu, gpool)
+    for name, x, r, y in zip(NAMES, got, ref32, want):
+        err, err32 = relative_error(x, y), relative_error(r, y)
+        assert err <= 4 * err32 + 1e-6, (name, err, err32)
+    return got
+
+
 # (B, C_prev, H, W, C, groups, stride): the vector paths of 32 and 16 inputs
 # per group (ResNet-50's init layers have 32), other group widths, odd sizes
 # whose last row and column the stride reads, stride 1
@@ -84,12 +95,7 @@ def test_adapt_equals_adjust_batchnorm_and_pool(b, c_prev, h, w, c, groups, stri
     ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
     gu = torch.randn(b, c, ho, wo, generator=g).contiguous(memory_format=CL)
     gpool = torch.randn(b, c, generator=g)
-    want = eager(conv, norm, m, gu, gpool, torch.float64)
-    ref32 = eager(conv, norm, m, gu, gpool, torch.float32)
-    got = fused(conv, norm, m, gu, gpool)
-    for name, x, r, y in zip(NAMES, got, ref32, want):
-        err, err32 = relative_error(x, y), relative_error(r, y)
-        assert err <= 4 * err32 + 1e-6, (name, err, err32)
+    got = assert_as_accurate_as_float32(conv, norm, m, gu, gpool)
     # the convolution reads every stride-th pixel: the gradient is 0 elsewhere, exactly
     off = torch.ones(h, w, dtype=torch.bool)
     off[::stride, ::stride] = False
@@ -111,12 +117,7 @@ def test_adapt_accurate_where_the_adjusted_map_is_far_from_zero(offset):
     m = (torch.rand(2, 64, 32, 32, generator=g) * 0.1 + offset).contiguous(memory_format=CL)
     gu = torch.randn(2, 128, 16, 16, generator=g).contiguous(memory_format=CL)
     gpool = torch.randn(2, 128, generator=g)
-    want = eager(conv, norm, m, gu, gpool, torch.float64)
-    ref32 = eager(conv, norm, m, gu, gpool, torch.float32)
-    got = fused(conv, norm, m, gu, gpool)
-    for name, x, r, y in zip(NAMES, got, ref32, want):
-        err, err32 = relative_error(x, y), relative_error(r, y)
-        assert err <= 4 * err32 + 1e-6, (name, err, err32)
+    assert_as_accurate_as_float32(conv, norm, m, gu, gpool)
 
 
 def test_adapt_without_a_pool_gradient_is_with_a_zero_one():
