@@ -412,6 +412,32 @@ def test_ops_benchmark_gives_each_call_the_next_copy():
     assert all(len(v) == 2 for v in times.values())
 
 
+def test_ops_benchmark_counts_adaptations_once_per_stage_transition():
+    # a block's ops once per block; an init layer's adaptation once at each
+    # stage but the first, where no state arrives
+    ops_tool = _ops_tool()
+    assert [ops_tool.calls_per_step('adapt_backward', s, 3) for s in range(4)] == [0, 1, 1, 1]
+    assert [ops_tool.calls_per_step('block_end_forward', s, b)
+            for s, b in enumerate((3, 4, 6, 3))] == [3, 4, 6, 3]
+    seen = []
+    fake = {op: (lambda d, op=op: seen.append((op, d['stage'])))
+            for op in ('train_stats', 'adapt_forward')}
+    real_calls = ops_tool.calls
+    ops_tool.calls = lambda ns: fake
+    try:
+        ops_tool.measure(['a'], [({'stage': 0}, 3), ({'stage': 1}, 4)],
+                         ('train_stats', 'adapt_forward'), rounds=1, warmup=0)
+    finally:
+        ops_tool.calls = real_calls
+    assert seen == [('train_stats', 0), ('train_stats', 1), ('adapt_forward', 1)]
+
+
+def test_ops_benchmark_names_the_ops_an_older_build_lacks():
+    ops_tool = _ops_tool()
+    with pytest.raises(SystemExit, match='has no adapt_forward, block_end_backward.*--ops'):
+        ops_tool.check_same('kcla_mm_no_such_build', [], ['adapt_forward', 'block_end_backward'])
+
+
 def test_ops_benchmark_rotates_inputs_when_asked(capsys):
     _needs_kernels()
     ops_tool = _ops_tool()
