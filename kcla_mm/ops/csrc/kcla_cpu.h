@@ -66,14 +66,18 @@ struct VecLanes {  // a full vector of VL channels
     return r;
 #endif
   }
-  // a non-temporal store where p is aligned to the vector (else a plain one):
-  // for maps no pass reads again soon, so that writing them does not first
-  // read their lines into the cache; fence_stores() before the map is read
+  // for maps no pass reads again soon: with AVX-512, a non-temporal store
+  // where p is aligned to the vector (else a plain one), so that writing them
+  // does not first read their lines into the cache; fence_stores() before the
+  // map is read. With narrower vectors a plain store: there a vector is half a
+  // cache line, and on an AMD EPYC (Zen 3, AVX2) VM train_backward, which
+  // streams gx and gprev side by side, ran 2-3x slower with 32-byte
+  // non-temporal stores than with plain ones (benchmark_cpu_ops.py, inputs
+  // read from memory: 123-154 against 59 ms per ResNet-50 step; the other
+  // kernels the same within noise).
   static void store_nt(float* p, V v) {
 #if defined(__AVX512F__)
     if (reinterpret_cast<uintptr_t>(p) % 64 == 0) return _mm512_stream_ps(p, (__m512)v);
-#elif defined(__AVX__)
-    if (reinterpret_cast<uintptr_t>(p) % 32 == 0) return _mm256_stream_ps(p, (__m256)v);
 #endif
     store(p, v);
   }

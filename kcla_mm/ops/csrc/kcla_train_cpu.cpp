@@ -14,9 +14,10 @@
 //                     and the sums of train_grad_stats again
 // v is never stored: every pass recomputes it from the rows of mean, which
 // stay in cache. The maps the passes write (mean, out, gx, gprev) are written
-// with non-temporal stores (store_nt): no pass reads them back soon, and a
-// plain store would first read every line of the map from memory (in-model
-// A/B on ResNet-50: about 2% of a training step). Reductions sum in float
+// with non-temporal stores on AVX-512 builds (store_nt): no pass reads them
+// back soon, and a plain store would first read every line of the map from
+// memory (in-model A/B on ResNet-50: about 2% of a training step; on AVX2
+// they are plain stores, see store_nt). Reductions sum in float
 // over about 256 pixels (flush_after), then go through per-task partial sums
 // in double, combined in a fixed order, so results do not depend on the
 // thread count's scheduling.
