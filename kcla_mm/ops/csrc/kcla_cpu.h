@@ -170,32 +170,18 @@ inline void load_taps(const float* wt, int64_t /*C*/, int64_t c0, typename L::V 
   for (int i = 0; i < 9; ++i) k[i] = L::load(wt + tap_index(c0, i));
 }
 
-// in[i][j] = rows[i] at pixel w0 - 1 + j, channels c0..: the inputs of the
-// depthwise 3x3 convolution at NW pixels from w0; zero outside the map (rows[i]
-// null, or the pixel past the row's ends: zero padding). C: the pixel stride of
-// the rows (StagedRows::stride() for staged rows).
+// in[j] = row r at pixel w0 - 1 + j, channels c0..: one row of the inputs
+// of the depthwise 3x3 convolution at NW pixels from w0; zero past the row's
+// ends (zero padding). C: the pixel stride of the row (StagedRows::stride()
+// for staged rows).
 template <class L, int NW>
-inline void load_window(const float* const rows[3], int64_t w0, int64_t W, int64_t C,
-                        int64_t c0, typename L::V in[3][NW + 2]) {
+inline void load_row_window(const float* r, int64_t w0, int64_t W, int64_t C, int64_t c0,
+                            typename L::V in[NW + 2]) {
   const typename L::V zero = L::splat(0.f);
-  for (int i = 0; i < 3; ++i) {
-    const float* r = rows[i];
-    for (int j = 0; j < NW + 2; ++j) {
-      const int64_t w = w0 - 1 + j;
-      in[i][j] = (r != nullptr && w >= 0 && w < W) ? L::load(r + w * C + c0) : zero;
-    }
+  for (int j = 0; j < NW + 2; ++j) {
+    const int64_t w = w0 - 1 + j;
+    in[j] = (w >= 0 && w < W) ? L::load(r + w * C + c0) : zero;
   }
-}
-
-// acc[j] = (k * in)(j): the convolution (cross-correlation) of a window, in
-// conv_acc's order and roundings (tap_row)
-template <class L, int NW>
-inline void conv_window(const typename L::V k[9], const typename L::V in[3][NW + 2],
-                        typename L::V acc[NW]) {
-  for (int j = 0; j < NW; ++j) acc[j] = L::splat(0.f);
-  for (int i = 0; i < 3; ++i)
-    for (int j = 0; j < NW; ++j)
-      acc[j] += tap_row<L>(k + 3 * i, in[i][j], in[i][j + 1], in[i][j + 2]);
 }
 
 // conv_acc with the three tap rows summed apart, then together: 3-deep
@@ -220,10 +206,7 @@ inline void conv_acc_split(const float* const rows[3], const typename L::V k[9],
       continue;
     }
     V in[NW + 2];
-    for (int j = 0; j < NW + 2; ++j) {
-      const int64_t w = w0 - 1 + j;
-      in[j] = (w >= 0 && w < W) ? L::load(r + w * C + c0) : zero;
-    }
+    load_row_window<L, NW>(r, w0, W, C, c0, in);
     for (int j = 0; j < NW; ++j)
       part[i][j] = k[3 * i] * in[j] + k[3 * i + 1] * in[j + 1] + k[3 * i + 2] * in[j + 2];
   }
@@ -244,10 +227,7 @@ inline void conv_acc(const float* const rows[3], const typename L::V k[9], int64
     const float* r = rows[i];
     if (r == nullptr) continue;
     V in[NW + 2];
-    for (int j = 0; j < NW + 2; ++j) {
-      const int64_t w = w0 - 1 + j;
-      in[j] = (w >= 0 && w < W) ? L::load(r + w * C + c0) : zero;
-    }
+    load_row_window<L, NW>(r, w0, W, C, c0, in);
     for (int j = 0; j < NW; ++j) acc[j] += tap_row<L>(k + 3 * i, in[j], in[j + 1], in[j + 2]);
   }
 }
