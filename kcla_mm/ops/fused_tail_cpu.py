@@ -89,7 +89,8 @@ class FusedStep(torch.autograd.Function):
     Inputs: ``layer, x, prev, log_z, wq, wk, phi, keep, wv_weight, weight,
     bias, pooled`` (``prev`` and ``log_z`` ``None`` for the first block; ``keep``
     the drop-path mask ``[B, 1, 1, 1]`` or ``None``; ``pooled``: ``x``'s pool
-    from :class:`ResidualReluPool`, or ``None`` to pool here). One autograd node for what
+    from the node that made ``x`` (:class:`BlockEnd` or
+    :class:`ResidualReluPool`), or ``None`` to pool here). One autograd node for what
     :meth:`KCLA.forward` computes in training: the global pool of ``x``, the
     per-head math (``head_forward``: ``beta``, the gate times ``z / (z + eps)``
     and ``log z'``, float64 inside) and the tail (the ``train_*`` passes and

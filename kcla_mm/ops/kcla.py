@@ -314,9 +314,10 @@ class KCLA(nn.Module):
             pooled: ``x``'s global average pool ``[B, C]`` as
                 :func:`residual_relu_pool_` returned it, which the fused
                 kernels then do not compute again (ignored by the eager
-                paths; in training used only where it comes from
-                :func:`residual_relu_pool_` under autograd, whose backward
-                pass then receives the pool's gradient).
+                paths; in training used only where ``x`` and it come from
+                one node of :func:`residual_relu_pool_` or
+                :func:`residual_norm_relu_pool_` under autograd, whose
+                backward pass then receives the pool's gradient).
 
         Raises:
             ValueError: ``pooled`` is not a float32 ``[B, C]`` tensor on
@@ -341,10 +342,10 @@ class KCLA(nn.Module):
         if self._fusable(x, state):
             return self._fused_eval(x, state, reuse_state or renormed, reuse_input, pooled)
         if self._fused_training(x, state):
-            # a pool without the graph of residual_relu_pool_'s node would
-            # lose the pool's gradient: pool here instead
-            node = None if pooled is None else pooled.grad_fn
-            given = isinstance(node, fused_tail_cpu.ResidualReluPool._backward_cls)
+            # a pool without the graph of the node that made x and pooled
+            # (residual_relu_pool_'s or residual_norm_relu_pool_'s) would lose
+            # the pool's gradient: pool here instead
+            given = pooled is not None and _pooled_by_fused_node(pooled, x)
             return self._fused_train(x, state, pooled if given else None)
         q, k = self.keys(x)  # [B, G, d] each
         k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
@@ -443,6 +444,21 @@ class KCLA(nn.Module):
     def extra_repr(self) -> str:
         return (f'channels={self.channels}, heads={self.num_heads}, head_dim={self.head_dim}, '
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
+
+
+def _pooled_by_fused_node(pooled: Tensor, x: Tensor) -> bool:
+    """Whether ``pooled`` and ``x`` are the two outputs of one fused block-end node.
+
+    :class:`~kcla_mm.ops.fused_tail_cpu.ResidualReluPool` or
+    :class:`~kcla_mm.ops.fused_tail_cpu.BlockEnd`: their backward passes add
+    the pool's gradient in their own pass over the map, so the KCLA step
+    need not pool ``x`` again nor add that gradient to ``gx`` in a pass of
+    its own.
+    """
+    node = pooled.grad_fn
+    return node is not None and node is x.grad_fn and isinstance(
+        node, (fused_tail_cpu.ResidualReluPool._backward_cls,
+               fused_tail_cpu.BlockEnd._backward_cls))
 
 
 def _check_pooled(pooled: Tensor, x: Tensor) -> None:

@@ -402,6 +402,11 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, norms, 
     x = torch.rand(2, 3, 64, 64)
     pools = record_calls(monkeypatch, kcla_resnet, 'residual_norm_relu_pool_',
                          lambda args, kwargs, result: result[1] is not None)
+    # FusedStep.apply(layer, x, ..., pooled): whether the step took the pool
+    # (then it neither pools x again nor adds the pool's gradient to gx in a
+    # pass of its own: the block end's backward adds it)
+    took_pool = record_calls(monkeypatch, fused_tail_cpu.FusedStep, 'apply',
+                             lambda args, kwargs, result: args[11] is not None)
     results = []
     for replay in (True, False):
         net = copy.deepcopy(model)
@@ -416,7 +421,10 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, norms, 
         results.append(res)
         if replay:
             assert pools == [True] * (16 if depth == 50 else 8)
+            assert took_pool == [True] * (16 if depth == 50 else 8)
             pools.clear()
+        else:
+            assert took_pool[-1] is False
     assert pools == []  # the host's forward: not called
     # every block's end once (the replay's forward), with the downsamples' norms
     assert len(ends) == (0 if norms == 'modules' else 16 if depth == 50 else 8)
@@ -449,6 +457,46 @@ def test_a_pool_without_the_fold_s_graph_is_not_used_in_training():
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+@pytest.mark.parametrize('norms', [True, False])
+def test_the_block_end_s_pool_is_used_in_training_only_with_its_own_map(norms, monkeypatch):
+    # residual_norm_relu_pool_ under autograd (BlockEnd with norms, else
+    # ResidualReluPool) returns x and its pool from one node, whose backward
+    # adds the pool's gradient: the step takes that pool (no pooling of x and
+    # no pass adding the pool's gradient to gx of its own), and the gradients
+    # are those of the step that pools x itself. A pool from another node's
+    # map is not taken.
+    took = record_calls(monkeypatch, fused_tail_cpu.FusedStep, 'apply',
+                        lambda args, kwargs, result: args[11] is not None)
+    layer = make(32, 16)
+    g = torch.Generator().manual_seed(6)
+    pre, res = (cl(torch.randn(2, 32, 6, 7, generator=g)) for _ in range(2))
+    other = cl(torch.randn(2, 32, 6, 7, generator=g))
+    w = torch.randn(2, 32, 6, 7, generator=g)
+    state = KCLAState(cl(torch.randn(2, 32, 6, 7, generator=g)), torch.randn(2, 2, generator=g))
+    grads = {}
+    for how in ('own pool', 'pools itself', "another map's pool"):
+        p0, r0 = (t.clone().requires_grad_() for t in (pre, res))
+        norm = _bn(32, True, 1) if norms else None
+        x, pooled = residual_norm_relu_pool_(p0 * 1.0, r0, norm)  # (not a leaf: in place)
+        node = (fused_tail_cpu.BlockEnd if norms else fused_tail_cpu.ResidualReluPool)
+        assert isinstance(pooled.grad_fn, node._backward_cls)
+        if how == 'pools itself':
+            pooled = None
+        elif how == "another map's pool":
+            o0 = other.clone().requires_grad_()
+            _, pooled = residual_norm_relu_pool_(o0 * 1.0, res.clone(),
+                                                 _bn(32, True, 1) if norms else None)
+            assert isinstance(pooled.grad_fn, node._backward_cls)
+        out, new = layer(x, state, pooled=pooled)
+        ((out * w).sum() + new.mean.square().mean()).backward()
+        grads[how] = (p0.grad, r0.grad) + tuple(p.grad for p in layer.parameters())
+        layer.zero_grad(set_to_none=True)
+    assert took == [True, False, False]
+    for how in ('pools itself', "another map's pool"):
+        for a, b in zip(grads['own pool'], grads[how]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('pooled, match', [
