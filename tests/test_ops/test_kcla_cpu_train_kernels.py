@@ -803,6 +803,21 @@ def test_other_instruction_sets_round_alike_and_compute_the_same(march, tmp_path
     args = (gy, gmean, out, prev, mean, beta, wv, a, shift, None, alpha, kappa, lam, True)
     for want, got in zip(ref.train_backward(*args), ops.train_backward(*args)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # an init layer's adaptation at ResNet-50's groups (32 inputs, 64 outputs
+    # each): register tiles sized per instruction set (4 x 2 vectors on AVX2,
+    # 4 x 4 with AVX-512), and the weight gradient's sums of 4 AVX2 vectors
+    m = cl(torch.randn(2, 256, 9, 7, generator=g))
+    adj = torch.randn(512, 32, 1, 1, generator=g) / 6
+    nw, nb = torch.rand(512, generator=g) + 0.5, torch.randn(512, generator=g)
+    fwd = [o.adapt_forward(m, adj, 2, nw, nb, torch.zeros(512), torch.ones(512), True, 0.1, 1e-5)
+           for o in (ref, ops)]
+    for want, got in zip(*fwd):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    gu, gp = cl(torch.randn(2, 512, 5, 4, generator=g)), torch.randn(2, 512, generator=g)
+    y, mu, invstd = fwd[0][1], fwd[0][4], fwd[0][5]
+    bwd = [o.adapt_backward(gu, gp, m, y, adj, 2, nw, mu, invstd, True) for o in (ref, ops)]
+    for want, got in zip(*bwd):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize('with_state', [False, True])

@@ -485,10 +485,12 @@ inline vf select_bits(uint32_t bits, vf v) {
 // [G, dout, di] (and di, dout swapped) the same function computes the
 // transposed convolution (the backward pass's gradient of the input).
 
-// NP pixels of group g: NV vectors of outputs each, accumulated in registers.
+// NP pixels of group g: NV vectors of outputs each (a slice of the group's
+// dout), accumulated in registers; wg the slice's first weights, ws the
+// floats between one input's weights and the next's (dout).
 template <int NP, int NV>
-inline void grouped_tile(const float* const src[NP], const float* wg, const float* bg,
-                         float* const dst[NP], int64_t di) {
+inline void grouped_tile(const float* const src[NP], const float* wg, int64_t ws,
+                         const float* bg, float* const dst[NP], int64_t di) {
   vf acc[NP][NV];
   for (int v = 0; v < NV; ++v) {
     const vf b = bg != nullptr ? load(bg + v * VL) : splat(0.f);
@@ -496,7 +498,7 @@ inline void grouped_tile(const float* const src[NP], const float* wg, const floa
   }
   for (int64_t i = 0; i < di; ++i) {
     vf wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = load(wg + i * NV * VL + v * VL);
+    for (int v = 0; v < NV; ++v) wv[v] = load(wg + i * ws + v * VL);
     for (int p = 0; p < NP; ++p) {
       const vf s = splat(src[p][i]);
       for (int v = 0; v < NV; ++v) acc[p][v] += s * wv[v];
@@ -506,29 +508,39 @@ inline void grouped_tile(const float* const src[NP], const float* wg, const floa
     for (int v = 0; v < NV; ++v) store(dst[p] + v * VL, acc[p][v]);
 }
 
+// The tiles' shape: NP x NV accumulators, NV weight vectors and a broadcast
+// must fit the vector registers (32 with AVX-512, 16 on AVX2: there 4 x 4
+// spilled, and outputs wider than 4 vectors took the scalar loop below).
+#if defined(__AVX512F__)
+constexpr int kGroupedNP = 4, kGroupedNV = 4;
+#else
+constexpr int kGroupedNP = 4, kGroupedNV = 2;
+#endif
+
+// the NV-vector slice at vector v0 of each group's outputs, for the W pixels
 template <int NV>
-void grouped_row_vec(const float* src, int64_t src_step, const float* wt, const float* bias,
-                     float* out, int64_t out_step, int64_t W, int64_t Cin, int64_t Cout,
-                     int64_t G) {
-  constexpr int NP = 4;
-  const int64_t di = Cin / G, dout = Cout / G;
+void grouped_slice(const float* src, int64_t src_step, const float* wt, const float* bias,
+                   float* out, int64_t out_step, int64_t W, int64_t di, int64_t dout, int64_t G,
+                   int64_t v0) {
+  constexpr int NP = kGroupedNP;
+  const int64_t c0 = v0 * VL;
   for (int64_t g = 0; g < G; ++g) {
-    const float* wg = wt + g * di * dout;
-    const float* bg = bias != nullptr ? bias + g * dout : nullptr;
+    const float* wg = wt + g * di * dout + c0;
+    const float* bg = bias != nullptr ? bias + g * dout + c0 : nullptr;
     int64_t w = 0;
     for (; w + NP <= W; w += NP) {
       const float* s[NP];
       float* d[NP];
       for (int p = 0; p < NP; ++p) {
         s[p] = src + (w + p) * src_step + g * di;
-        d[p] = out + (w + p) * out_step + g * dout;
+        d[p] = out + (w + p) * out_step + g * dout + c0;
       }
-      grouped_tile<NP, NV>(s, wg, bg, d, di);
+      grouped_tile<NP, NV>(s, wg, dout, bg, d, di);
     }
     for (; w < W; ++w) {
       const float* s[1] = {src + w * src_step + g * di};
-      float* d[1] = {out + w * out_step + g * dout};
-      grouped_tile<1, NV>(s, wg, bg, d, di);
+      float* d[1] = {out + w * out_step + g * dout + c0};
+      grouped_tile<1, NV>(s, wg, dout, bg, d, di);
     }
   }
 }
@@ -537,12 +549,16 @@ inline void grouped_row(const float* src, int64_t src_step, const float* wt, con
                         float* out, int64_t out_step, int64_t W, int64_t Cin, int64_t Cout,
                         int64_t G) {
   const int64_t di = Cin / G, dout = Cout / G;
-  if (dout % VL == 0 && dout / VL <= 4) {
-    switch (dout / VL) {
-      case 1: return grouped_row_vec<1>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
-      case 2: return grouped_row_vec<2>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
-      case 3: return grouped_row_vec<3>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
-      default: return grouped_row_vec<4>(src, src_step, wt, bias, out, out_step, W, Cin, Cout, G);
+  if (dout % VL == 0) {  // slices of kGroupedNV vectors, then the rest
+    const int64_t nv = dout / VL;
+    int64_t v0 = 0;
+    for (; v0 + kGroupedNV <= nv; v0 += kGroupedNV)
+      grouped_slice<kGroupedNV>(src, src_step, wt, bias, out, out_step, W, di, dout, G, v0);
+    switch (nv - v0) {
+      case 0: return;
+      case 1: return grouped_slice<1>(src, src_step, wt, bias, out, out_step, W, di, dout, G, v0);
+      case 2: return grouped_slice<2>(src, src_step, wt, bias, out, out_step, W, di, dout, G, v0);
+      default: return grouped_slice<3>(src, src_step, wt, bias, out, out_step, W, di, dout, G, v0);
     }
   }
   for (int64_t w = 0; w < W; ++w) {

@@ -1081,7 +1081,10 @@ template <int NV>
 void outer_sums(const float* g, int64_t g_step, const float* src, int64_t src_step, int64_t n,
                 int64_t dout, float* acc) {
   constexpr int64_t di = NV * VL;
-  constexpr int CB = 4;  // rows of acc held in registers over the pixels
+  // rows of acc held in registers over the pixels: CB x NV sums, NV inputs
+  // and a broadcast in the vector registers (4 x 4 sums spilled on AVX2's 16)
+  constexpr int kRegs = VL == 16 ? 32 : 16;
+  constexpr int CB = 4 * NV + NV + 1 <= kRegs ? 4 : 2;
   int64_t c = 0;
   for (; c + CB <= dout; c += CB) {
     vf s[CB][NV];
@@ -1221,6 +1224,8 @@ std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
           outer_sums<1>(gg, C, sg, stride * Cp, W, dout, ag);
         } else if (di == 2 * VL) {
           outer_sums<2>(gg, C, sg, stride * Cp, W, dout, ag);
+        } else if (di == 4 * VL) {  // ResNet's 32 inputs per group on AVX2
+          outer_sums<4>(gg, C, sg, stride * Cp, W, dout, ag);
         } else {
           for (int64_t x = 0; x < W; ++x)
             for (int64_t c = 0; c < dout; ++c) {
