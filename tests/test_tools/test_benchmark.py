@@ -301,6 +301,36 @@ def test_run_keeps_the_fastest_of_the_inner_runs(monkeypatch):
             warmup=0, count_flops_fn=lambda m, x: None, inner=0)
 
 
+def test_run_sets_the_mode_outside_the_timed_calls(monkeypatch):
+    # model.eval()/train() walk every module (about 1 ms for a KCLA-ResNet-50,
+    # twice the plain one's): the timed calls run in the mode already set
+    import kcla_mm.benchmark as bmod
+    cands = [Candidate('cifar', 8, 'KCLA')]
+    model = build_backbone('cifar', 8, 'KCLA', tiny=True)
+    switches, timed_modes = [], []
+    real_train = type(model).train
+
+    def train(self, mode=True):
+        switches.append(mode)
+        return real_train(self, mode)
+
+    monkeypatch.setattr(type(model), 'train', train)
+
+    def fake_timed(fn, device):
+        before = len(switches)
+        fn()
+        assert len(switches) == before, 'a mode switch inside the timed call'
+        timed_modes.append(model.training)
+        return 1.0
+
+    monkeypatch.setattr(bmod, 'timed', fake_timed)
+    run(cands, {cands[0]: model}, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=2,
+        warmup=0, count_flops_fn=lambda m, x: None, inner=2)
+    # per round: two eval-mode forwards, then two training steps
+    assert timed_modes == [False, False, True, True] * 2
+    assert switches and not all(switches) and any(switches)
+
+
 def test_run_counts_page_faults_per_training_step(monkeypatch):
     # the counter's difference around the inner training steps, divided by them
     import kcla_mm.benchmark as bmod

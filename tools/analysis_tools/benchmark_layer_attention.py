@@ -236,7 +236,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         f'{args.cifar_batch} at {args.cifar_size}x{args.cifar_size}'
         + ('; tiny widths (--quick)' if args.quick else ''),
         f'medians of {args.repeats} interleaved rounds after {args.warmup} warm-up, each the '
-        f'fastest of {args.inner} back-to-back runs; memory '
+        f'fastest of {args.inner} back-to-back runs (eval()/train() called before them, '
+        f'untimed); memory '
         f'format: {fmt}' + ('; torch.compile measured too' if args.compile else ''),
         'FLOPs: not counted (--no-flops)' if args.no_flops else
         'FLOPs per image (batch 1), one multiply-add = 1' + (
