@@ -331,6 +331,51 @@ def test_run_sets_the_mode_outside_the_timed_calls(monkeypatch):
     assert switches and not all(switches) and any(switches)
 
 
+def test_run_resets_gradients_over_a_parameter_list_not_a_module_walk(monkeypatch):
+    # model.parameters() walks every module (KCLA's models have about twice as
+    # many): the timed steps reset the gradients over a list, as an optimiser
+    # holds it, and still start from no gradient
+    import kcla_mm.benchmark as bmod
+    cands = [Candidate('cifar', 8, 'KCLA')]
+    model = build_backbone('cifar', 8, 'KCLA', tiny=True)
+    walks = []
+    real_parameters = type(model).parameters
+
+    def parameters(self, recurse=True):
+        walks.append(True)
+        return real_parameters(self, recurse)
+
+    monkeypatch.setattr(type(model), 'parameters', parameters)
+    grads_at_start = []
+    real_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        grads_at_start.append([p.grad is None for p in real_parameters(model)])
+        return real_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, 'backward', backward)
+
+    def fake_timed(fn, device):
+        before, steps = len(walks), len(grads_at_start)
+        fn()
+        assert len(walks) == before, 'a walk over the modules inside the timed call'
+        timed_steps.extend(grads_at_start[steps:])
+        return 1.0
+
+    timed_steps = []
+    monkeypatch.setattr(bmod, 'timed', fake_timed)
+    for p in real_parameters(model):  # stale gradients from before the run
+        p.grad = torch.ones_like(p)
+    run(cands, {cands[0]: model}, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=2,
+        warmup=0, count_flops_fn=lambda m, x: None, inner=2)
+    assert len(timed_steps) == 4 and all(all(g) for g in timed_steps)
+    assert all(p.grad is None for p in real_parameters(model))  # reset after the round too
+    # called alone, it walks the modules
+    walks.clear()
+    bmod.train_step(model, torch.rand(2, 3, 16, 16), set_mode=False)
+    assert walks
+
+
 def test_run_counts_page_faults_per_training_step(monkeypatch):
     # the counter's difference around the inner training steps, divided by them
     import kcla_mm.benchmark as bmod

@@ -237,7 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         + ('; tiny widths (--quick)' if args.quick else ''),
         f'medians of {args.repeats} interleaved rounds after {args.warmup} warm-up, each the '
         f'fastest of {args.inner} back-to-back runs (eval()/train() called before them, '
-        f'untimed); memory '
+        f'untimed; gradients reset to None over a parameter list, as an optimiser does); memory '
         f'format: {fmt}' + ('; torch.compile measured too' if args.compile else ''),
         'FLOPs: not counted (--no-flops)' if args.no_flops else
         'FLOPs per image (batch 1), one multiply-add = 1' + (
