@@ -155,15 +155,16 @@ class FusedStep(torch.autograd.Function):
         # gx, gprev and the parameters' gradients; the per-head math's backward,
         # then the pool's (gp / (H W) added to gx at every pixel): one call
         inv_tau, clamp, eps = ctx.consts
-        grads = torch.ops.kcla_mm.step_backward(
-            gy, gmean, glog_z, x_or_out, prev, mean, p, log_z, wq, wk, inv_tau, phi, clamp, eps,
-            wv_weight, kv, flat, sc, sums, weight, mu, invstd, a, shift, ctx.bn_training,
-            not ctx.pool_given, ctx.keeps_output)
-        gx, gprev, glz, gwq, gwk, gphi, gwv, gweight, gbias = grads[:9]
-        return (None, gx, gprev if prev is not None else None,
-                None if log_z is None else glz, gwq.view_as(wq), gwk.view_as(wk),
-                gphi.view_as(phi), None, _param_grad(gwv, wv_weight), gweight, gbias,
-                grads[9] if ctx.pool_given else None)
+        has_prev, has_log_z, pool_given = prev is not None, log_z is not None, ctx.pool_given
+        # (the weights' gradients come in their weights' shapes and strides:
+        # as little Python as possible after the kernel, which leaves it cold)
+        gx, gprev, glz, gwq, gwk, gphi, gwv, gweight, gbias, *gp = (
+            torch.ops.kcla_mm.step_backward(
+                gy, gmean, glog_z, x_or_out, prev, mean, p, log_z, wq, wk, inv_tau, phi, clamp,
+                eps, wv_weight, kv, flat, sc, sums, weight, mu, invstd, a, shift,
+                ctx.bn_training, not pool_given, ctx.keeps_output))
+        return (None, gx, gprev if has_prev else None, glz if has_log_z else None, gwq, gwk,
+                gphi, None, gwv, gweight, gbias, gp[0] if pool_given else None)
 
 
 class ResidualReluPool(torch.autograd.Function):

@@ -873,10 +873,23 @@ def test_step_ops_equal_the_ops_they_chain(with_state, bn_train, with_keep):
                                                 gbeta.float() if with_state else None, gscale,
                                                 glog_z)
     gx.add_(gp.div_(h * w).view(b, c, 1, 1))
-    want_b = [gx, gprev, glz, gwq, gwk, gphi, gwv.float(), gweight, gbias]
+    # the weights' gradients in their weights' shapes (and strides: below)
+    want_b = [gx, gprev, glz, gwq.view_as(wq), gwk.view_as(wk), gphi, gwv.float().view_as(wv),
+              gweight, gbias]
     assert len(got_b) == len(want_b)
     for i, (u, v) in enumerate(zip(got_b, want_b)):
         assert u.dtype == torch.float32 and torch.equal(u, v), i
+    # the layer's own weights: ECA [1, 1, K] and a channels-last Wv, whose
+    # strides differ from a contiguous one's on its size-1 dimension
+    wq3, wk3 = wq.view(1, 1, -1), wk.view(1, 1, -1)
+    wv_cl = wv.to(memory_format=torch.channels_last)  # as the backbone stores it
+    assert wv_cl.stride() != wv.stride()
+    shaped = ops.step_backward(gy, gmean, glog_z, x, prev, m, p, log_z, wq3, wk3, inv_tau, phi,
+                               *consts, wv_cl, keep, flat, sc, sums, weight, mu, invstd, a, shift,
+                               bn_train)
+    for i, param in ((3, wq3), (4, wk3), (5, phi), (6, wv_cl)):
+        assert shaped[i].shape == param.shape and shaped[i].stride() == param.stride(), i
+        assert torch.equal(shaped[i], want_b[i].view_as(param)), i
     # a pool given from outside (residual_relu_pool_): the same step, and its
     # gradient returned instead of added to gx
     running_given = [t.clone() for t in stats0]
