@@ -336,21 +336,11 @@ class FusedAdapt(torch.autograd.Function):
         gu = torch.zeros_like(y) if gu is None else gu.contiguous(memory_format=CL)
         if gpooled is not None:
             gpooled = gpooled.float().contiguous()
+        # (gw comes as w: dtype, shape and strides)
         gm, gw, gweight, gbias = torch.ops.kcla_mm.adapt_backward(
             gu, gpooled, m, y, w.detach(), ctx.stride, weight.detach(), mu, invstd,
             ctx.bn_training)
-        return None, gm, _param_grad(gw.to(w.dtype), w), gweight, gbias
-
-
-def _param_grad(grad: Tensor, param: Tensor) -> Tensor:
-    """``grad`` in ``param``'s shape and strides.
-
-    A channels-last ``[C, 1, 3, 3]`` weight has the memory order of an NCHW
-    one but other strides on its size-1 dimension; autograd accepts either,
-    DDP warns when a gradient's strides differ from its parameter's.
-    """
-    grad = grad.view(param.shape)
-    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
+        return None, gm, gw, gweight, gbias
 
 
 def recompute_output(ctx) -> Tensor:

@@ -58,8 +58,11 @@ def fused(conv, norm, m, gu, gpool):
         gu, gpool, m, y, conv.weight.detach(), conv.stride[0], norm.weight.detach(), mu,
         invstd, norm.training)
     assert gm.is_contiguous(memory_format=CL) and gm.shape == m.shape
-    return (ubar, pooled, gm, gw.view_as(conv.weight), gweight, gbias, norm.running_mean,
-            norm.running_var)
+    # the weight's gradient as the (channels-last) weight: autograd's and DDP's
+    # expectation, returned by FusedAdapt as it is
+    w = conv.weight
+    assert (gw.dtype, gw.shape, gw.stride()) == (w.dtype, w.shape, w.stride())
+    return (ubar, pooled, gm, gw, gweight, gbias, norm.running_mean, norm.running_var)
 
 
 NAMES = ('ubar', 'pooled', 'grad m', 'grad w', 'grad gamma', 'grad beta', 'running mean',

@@ -84,6 +84,17 @@ struct Bands {
   }
 };
 
+// A weight's gradient (grad: its values in the weight's memory order) as the
+// weight's dtype, shape and strides, which the autograd functions return as
+// they are: Python run right after a long kernel runs cold (the views and the
+// copy this does took about 160 us per call there, Zen 3 VM). A channels-last
+// [C, k, kh, kw] weight with size-1 dimensions has the memory order of a
+// contiguous one but other strides on them, which DDP warns about in a gradient.
+at::Tensor as_weight_grad(const at::Tensor& grad, const at::Tensor& weight) {
+  at::Tensor g = grad.to(weight.scalar_type()).view(weight.sizes());
+  return g.strides() == weight.strides() ? g : at::empty_like(weight).copy_(g);
+}
+
 // Whether a band's float partial sums go into the double partials after row h
 // (rows h0 .. h1 - 1): every 256 pixels or so (at least every row), and at
 // the band's end. A float sum of n values is off by up to about n ulps of its
@@ -1131,7 +1142,7 @@ void outer_sums(const float* g, int64_t g_step, const float* src, int64_t src_st
 }
 
 // Gradients of adapt_forward: (gm [B, C_prev, H_prev, W_prev] (zero but at the
-// pixels the convolution reads), gw [C, C_prev / G] float64 (tap-free),
+// pixels the convolution reads), gw as w (as_weight_grad; summed in float64),
 // gweight, gbias [C] float32). gu: ubar's gradient; gpool [B, C] the pool's,
 // or undefined; bn_training: whether forward used batch statistics.
 std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
@@ -1269,7 +1280,7 @@ std::vector<at::Tensor> adapt_backward(const at::Tensor& gu,
   double* gwp = gw.data_ptr<double>();
   for (int64_t t = 0; t < bands.tasks; ++t)  // in task order: the same sums for any thread count
     for (int64_t i = 0; i < n_gw; ++i) gwp[i] += gw_partial[t * n_gw + i];
-  return {gm, gw, gweight, gbias};
+  return {gm, as_weight_grad(gw, w), gweight, gbias};
 }
 
 // -- a whole training step in one call each way (fused_tail_cpu.FusedStep) --
@@ -1317,10 +1328,8 @@ std::vector<at::Tensor> step_forward(
 }
 
 // Returns (gx, gprev or empty, glog_z or empty, gwq, gwk, gphi, gwv, gweight,
-// gbias), float32, the weights' gradients in their weights' shapes and strides
-// (FusedStep.backward returns them as they are: Python run right after a long
-// kernel runs cold, about 160 us per call for the views this saves on the Zen 3
-// VM). gy: the output's gradient (a zero map where it has none); bn_training:
+// gbias), float32, the weights' gradients as their weights (as_weight_grad).
+// gy: the output's gradient (a zero map where it has none); bn_training:
 // whether forward used batch statistics.
 std::vector<at::Tensor> step_backward(
     const at::Tensor& gy, const c10::optional<at::Tensor>& gmean,
@@ -1352,12 +1361,9 @@ std::vector<at::Tensor> step_backward(
   std::tie(gp, glz, gwq, gwk, gphi) =
       head_backward(p, log_z, wq, wk, inv_tau, phi, clamp, eps, gbeta_f, gscale,
                     glog_z);
-  // [C, 9] in wv's shape; a channels-last [C, 1, 3, 3] wv has the same memory
-  // order but another stride on its size-1 dimension, which DDP would warn about
-  at::Tensor gwv_like = gwv.to(x.scalar_type()).view(wv.sizes());
-  if (gwv_like.strides() != wv.strides()) gwv_like = at::empty_like(wv).copy_(gwv_like);
-  std::vector<at::Tensor> grads = {gx, gprev, glz, gwq.view(wq.sizes()), gwk.view(wk.sizes()),
-                                   gphi.view(phi.sizes()), gwv_like, gweight, gbias};
+  std::vector<at::Tensor> grads = {gx, gprev, glz, as_weight_grad(gwq, wq),
+                                   as_weight_grad(gwk, wk), as_weight_grad(gphi, phi),
+                                   as_weight_grad(gwv, wv), gweight, gbias};
   // the pool's backward: gp / (H W) at every pixel (unless the pool came from
   // residual_relu_pool_, whose backward adds it: then gp is returned, last)
   if (pool_grad_into_gx) {
