@@ -43,6 +43,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from ._common import member
+
 CL = torch.channels_last
 
 
@@ -71,8 +73,11 @@ def applicable(norm: nn.Module, x: Tensor, prev: Optional[Tensor], wv_weight: Te
 
 def _plain_batchnorm(norm: nn.Module) -> bool:
     """A ``BatchNorm2d`` itself (no subclass), affine, with running statistics, in float32."""
-    return (type(norm) is nn.BatchNorm2d and norm.affine and norm.running_mean is not None
-            and norm.weight.dtype == torch.float32 and norm.running_mean.dtype == torch.float32)
+    if type(norm) is not nn.BatchNorm2d or not norm.affine:
+        return False
+    running_mean = member(norm, 'running_mean')
+    return (running_mean is not None and member(norm, 'weight').dtype == torch.float32
+            and running_mean.dtype == torch.float32)
 
 
 def _momentum_factor(norm: nn.BatchNorm2d) -> float:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from . import cpu_kernels, fused_tail_cpu
 from ._common import (BlockPosition, DropPath, NormLayer, _cached_norm_affine, check_batch,
                       check_drop_path, check_heads, check_input, eca, eca_conv, fold_norm,
-                      global_pool, per_channel, pooled_qk, value_conv)
+                      global_pool, member, per_channel, pooled_qk, value_conv)
 
 
 class KCLAState(NamedTuple):
@@ -402,10 +402,12 @@ class KCLA(nn.Module):
         ``adapt``: whether it also adapts the incoming state of an init layer
         (``adjust`` and ``norm_u``, spec section 5).
         """
+        # (member(): nn.Module.__getattr__ is a large part of this path's cost)
         if (torch.is_grad_enabled() or self.training or x.device.type != 'cpu'
                 or x.dtype != torch.float32 or _compiling() or torch.jit.is_tracing()
                 or not x.is_contiguous(memory_format=torch.channels_last)
-                or not _foldable(self.norm) or self.wv.weight.dtype != torch.float32):
+                or not _foldable(member(self, 'norm'))
+                or _weight(self, 'wv').dtype != torch.float32):
             return False
         if state is not None:
             if state.mean.dtype != torch.float32:
@@ -426,7 +428,7 @@ class KCLA(nn.Module):
                     reuse_input: bool, pooled: Optional[Tensor],
                     adapt: bool = False) -> Tuple[Tensor, KCLAState]:
         """:meth:`forward` in eval mode by ``torch.ops.kcla_mm.eval_step``."""
-        weight, shift = _cached_norm_affine(self.norm, torch.float32)  # [1, C, 1, 1] each
+        weight, shift = _cached_norm_affine(member(self, 'norm'), torch.float32)  # [1, C, 1, 1]
         prev = None if state is None else state.mean
         reuse_prev = reuse_prev and prev is not None and prev is not x
         adj_w = adj_b = wk_u = None
@@ -435,15 +437,21 @@ class KCLA(nn.Module):
             adj_w = self.adjust.weight.flatten(1) * s_u.view(-1, 1)  # [C, C_prev / G]
             wk_u = self.wk_u.weight
         out, mean, log_z = torch.ops.kcla_mm.eval_step(
-            x, prev, None if state is None or adapt else state.log_z, self.wq.weight,
-            self.wk.weight, self.inv_tau, self.phi.weight, self.wv.weight, weight, shift,
-            adj_w, adj_b, wk_u, self.stride, -1.0 if self.clamp is None else self.clamp,
-            self.eps, reuse_prev, reuse_input and prev is not None, pooled)
+            x, prev, None if state is None or adapt else state.log_z, _weight(self, 'wq'),
+            _weight(self, 'wk'), member(self, 'inv_tau'), _weight(self, 'phi'),
+            _weight(self, 'wv'), weight, shift, adj_w, adj_b, wk_u, self.stride,
+            -1.0 if self.clamp is None else self.clamp, self.eps, reuse_prev,
+            reuse_input and prev is not None, pooled)
         return out, KCLAState(mean, log_z)
 
     def extra_repr(self) -> str:
         return (f'channels={self.channels}, heads={self.num_heads}, head_dim={self.head_dim}, '
                 f'renorm={self.renorm}, clamp={self.clamp}, eps={self.eps}')
+
+
+def _weight(layer: nn.Module, name: str) -> Tensor:
+    """``getattr(layer, name).weight`` by :func:`member`."""
+    return member(member(layer, name), 'weight')
 
 
 def _pooled_by_fused_node(pooled: Tensor, x: Tensor) -> bool:
@@ -502,6 +510,12 @@ def residual_relu_pool_(x: Tensor, res: Tensor) -> Tuple[Tensor, Optional[Tensor
     return x.relu_(), None
 
 
+def _batchnorm_tensors(norm: nn.Module) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(weight, bias, running_mean, running_var)`` of ``norm`` by :func:`member`."""
+    return (member(norm, 'weight'), member(norm, 'bias'), member(norm, 'running_mean'),
+            member(norm, 'running_var'))
+
+
 def _eval_batchnorm(norm: Optional[nn.Module]) -> bool:
     return norm is not None and fused_tail_cpu._plain_batchnorm(norm) and not norm.training
 
@@ -533,11 +547,9 @@ def residual_norm_relu_pool_(x: Tensor, res: Tensor, norm: Optional[nn.Module] =
         if not torch.is_grad_enabled():
             if _eval_batchnorm(norm) and (res_norm is None or _eval_batchnorm(res_norm)):
                 res_args = ((None, None, None, None, 1.0) if res_norm is None else
-                            (res_norm.weight, res_norm.bias, res_norm.running_mean,
-                             res_norm.running_var, res_norm.eps))
+                            (*_batchnorm_tensors(res_norm), res_norm.eps))
                 pooled = torch.ops.kcla_mm.residual_bn_relu_pool_(
-                    x, res, norm.weight, norm.bias, norm.running_mean, norm.running_var,
-                    norm.eps, *res_args)
+                    x, res, *_batchnorm_tensors(norm), norm.eps, *res_args)
                 return x, pooled
         elif FUSED_TRAINING and fused_tail_cpu.block_end_applicable(norm, res_norm, x):
             return fused_tail_cpu.BlockEnd.apply(
@@ -567,7 +579,7 @@ def _compiling() -> bool:
 def _foldable(norm: nn.Module) -> bool:
     # an eval-mode BatchNorm with running statistics: one affine per channel
     return (isinstance(norm, nn.modules.batchnorm._BatchNorm) and not norm.training
-            and norm.running_mean is not None)
+            and member(norm, 'running_mean') is not None)
 
 
 def _recomputable(norm: nn.Module) -> bool:

@@ -75,6 +75,51 @@ def test_step_matches_eager(shape, with_state, clamp, monkeypatch, fused_calls):
         assert got_state.mean is x  # the first block's state is its output, as eagerly
 
 
+class _Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_fused_step_reads_parametrized_weights_as_the_module_does(monkeypatch, fused_calls):
+    # the inference path reads weights from the modules' own tables (member());
+    # a parametrized one (a property, not in _parameters) is read as the module
+    # computes it, in the fused kernel's arguments as in the eager path's
+    from torch.nn.utils import parametrize
+    layer, plain = make(64), make(64)
+    for name in ('wv', 'wq', 'phi'):
+        parametrize.register_parametrization(getattr(layer, name), 'weight', _Double())
+        with torch.no_grad():
+            getattr(plain, name).weight.mul_(2)
+    parametrize.register_parametrization(layer.norm, 'weight', _Double())
+    with torch.no_grad():
+        plain.norm.weight.mul_(2)
+    g = torch.Generator().manual_seed(3)
+    x = cl(torch.rand(2, 64, 6, 5, generator=g))
+    state = KCLAState(cl(torch.randn(2, 64, 6, 5, generator=g)), torch.randn(2, 4, generator=g))
+    with torch.no_grad():
+        want, want_state = plain(x, state)
+        eager_out, _ = eager(layer, x, state, monkeypatch)
+        got, got_state = layer(x, state)
+    assert fused_calls == [False, False]  # (plain's and layer's; the eager one is not fused)
+    torch.testing.assert_close(eager_out, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, want) and torch.equal(got_state.mean, want_state.mean)
+
+
+def test_member_reads_what_getattr_reads():
+    from kcla_mm.ops._common import member
+    from torch.nn.utils import parametrize
+    conv = nn.Conv2d(4, 4, 3)
+    bn = nn.BatchNorm2d(4, track_running_stats=False)  # running_mean: a None buffer
+    seq = nn.Sequential(conv, bn)
+    assert member(conv, 'weight') is conv.weight and member(seq, '0') is conv
+    assert member(bn, 'running_mean') is None and member(bn, 'eps') == bn.eps
+    parametrize.register_parametrization(conv, 'weight', _Double())
+    torch.testing.assert_close(member(conv, 'weight'), conv.weight, rtol=0, atol=0)
+    assert member(conv, 'weight') is not conv.parametrizations.weight.original
+    with pytest.raises(AttributeError, match='nope'):
+        member(conv, 'nope')
+
+
 @pytest.mark.parametrize('prev_hw, hw', [((16, 12), (8, 6)), ((9, 9), (5, 5)), ((7, 30), (4, 15))])
 @pytest.mark.parametrize('batch', [1, 3])
 def test_init_layer_adjust_matches_eager(prev_hw, hw, batch, monkeypatch, fused_calls):
