@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from utils import kcla_layer, randomize_norms, record_calls, torch_threads
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
@@ -19,6 +20,7 @@ import kcla_mm.ops.kcla as kcla_ops
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
 from kcla_mm.models.backbones.mmseg_kcla_resnet import KCLAResNetSeg
 from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, residual_norm_relu_pool_, residual_relu_pool_
+from kcla_mm.ops._common import member
 
 CL = torch.channels_last
 
@@ -84,7 +86,6 @@ def test_fused_step_reads_parametrized_weights_as_the_module_does(monkeypatch, f
     # the inference path reads weights from the modules' own tables (member());
     # a parametrized one (a property, not in _parameters) is read as the module
     # computes it, in the fused kernel's arguments as in the eager path's
-    from torch.nn.utils import parametrize
     layer, plain = make(64), make(64)
     for name in ('wv', 'wq', 'phi'):
         parametrize.register_parametrization(getattr(layer, name), 'weight', _Double())
@@ -106,8 +107,6 @@ def test_fused_step_reads_parametrized_weights_as_the_module_does(monkeypatch, f
 
 
 def test_member_reads_what_getattr_reads():
-    from kcla_mm.ops._common import member
-    from torch.nn.utils import parametrize
     conv = nn.Conv2d(4, 4, 3)
     bn = nn.BatchNorm2d(4, track_running_stats=False)  # running_mean: a None buffer
     seq = nn.Sequential(conv, bn)
