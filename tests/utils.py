@@ -79,3 +79,10 @@ def record_calls(monkeypatch, owner, name: str, what) -> list:
 
     monkeypatch.setattr(owner, name, staticmethod(wrapper) if static else wrapper)
     return calls
+
+
+class Doubled(nn.Module):
+    """A parametrization (``torch.nn.utils.parametrize``): the weight is twice the original."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w

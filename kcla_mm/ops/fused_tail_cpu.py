@@ -82,9 +82,10 @@ def _plain_batchnorm(norm: nn.Module) -> bool:
 
 def _momentum_factor(norm: nn.BatchNorm2d) -> float:
     """Counts the batch and returns the running statistics' update factor, as ``nn.BatchNorm2d``."""
-    norm.num_batches_tracked.add_(1)
+    count = member(norm, 'num_batches_tracked')
+    count.add_(1)
     if norm.momentum is None:  # cumulative moving average
-        return 1.0 / float(norm.num_batches_tracked)
+        return 1.0 / float(count)
     return float(norm.momentum)
 
 
@@ -112,10 +113,11 @@ class FusedStep(torch.autograd.Function):
                 wq: Tensor, wk: Tensor, phi: Tensor, keep: Optional[Tensor], wv_weight: Tensor,
                 weight: Tensor, bias: Tensor, pooled: Optional[Tensor] = None):
         ctx.set_materialize_grads(False)
-        norm = layer.norm
+        norm = member(layer, 'norm')
         b, c, h, w = x.shape
-        inv_tau, clamp, eps = (layer.inv_tau, -1.0 if layer.clamp is None else layer.clamp,
-                               layer.eps)
+        inv_tau, clamp, eps = (member(layer, 'inv_tau'),
+                               -1.0 if layer.clamp is None else layer.clamp, layer.eps)
+        running_mean, running_var = member(norm, 'running_mean'), member(norm, 'running_var')
         kv = None if keep is None else keep.reshape(b).float().contiguous()
         factor = _momentum_factor(norm) if norm.training else 0.0
         weight, bias = weight.detach(), bias.detach()
@@ -127,8 +129,8 @@ class FusedStep(torch.autograd.Function):
         # running statistics in training): one call (step_forward)
         out, mean, log_z_new, p, flat, sc, sums, a, shift, mu, invstd = (
             torch.ops.kcla_mm.step_forward(x, prev, log_z, wq, wk, inv_tau, phi, clamp, eps,
-                                           wv_weight, kv, weight, bias, norm.running_mean,
-                                           norm.running_var, norm.training, factor, norm.eps,
+                                           wv_weight, kv, weight, bias, running_mean,
+                                           running_var, norm.training, factor, norm.eps,
                                            None if pooled is None else pooled.detach()))
         if prev is None:
             mean, flat = x, None
@@ -236,12 +238,12 @@ class BlockEnd(torch.autograd.Function):
         if res_norm is None:
             res_args = (None, None, None, None, False, 0.0, 1.0)
         else:
-            res_args = (res_weight.detach(), res_bias.detach(), res_norm.running_mean,
-                        res_norm.running_var, res_norm.training,
+            res_args = (res_weight.detach(), res_bias.detach(), member(res_norm, 'running_mean'),
+                        member(res_norm, 'running_var'), res_norm.training,
                         _momentum_factor(res_norm) if res_norm.training else 0.0, res_norm.eps)
         out, pooled, mask, mu, invstd, res_mu, res_invstd = torch.ops.kcla_mm.block_end_forward(
-            x, res, weight.detach(), bias.detach(), norm.running_mean, norm.running_var,
-            norm.training, factor, norm.eps, *res_args)
+            x, res, weight.detach(), bias.detach(), member(norm, 'running_mean'),
+            member(norm, 'running_var'), norm.training, factor, norm.eps, *res_args)
         ctx.training = norm.training
         ctx.res_training = res_norm is not None and res_norm.training
         if res_norm is None:

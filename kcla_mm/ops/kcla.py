@@ -372,12 +372,13 @@ class KCLA(nn.Module):
 
     def _fused_training(self, x: Tensor, state: Optional[KCLAState]) -> bool:
         """Whether the fused CPU kernels compute this training step (see :mod:`.fused_tail_cpu`)."""
+        norm = member(self, 'norm')
         return (FUSED_TRAINING and self.training and torch.is_grad_enabled()
-                and _recomputable(self.norm) and not _compiling()
-                and self.wq.weight.dtype == torch.float32
+                and _recomputable(norm) and not _compiling()
+                and _weight(self, 'wq').dtype == torch.float32
                 and (state is None or state.log_z.dtype == torch.float32)
-                and fused_tail_cpu.applicable(self.norm, x, None if state is None else state.mean,
-                                              self.wv.weight)
+                and fused_tail_cpu.applicable(norm, x, None if state is None else state.mean,
+                                              _weight(self, 'wv'))
                 and cpu_kernels.available())
 
     def _fused_adapt(self, m: Tensor) -> bool:
@@ -389,11 +390,12 @@ class KCLA(nn.Module):
     def _fused_train(self, x: Tensor, state: Optional[KCLAState],
                      pooled: Optional[Tensor] = None) -> Tuple[Tensor, KCLAState]:
         """:meth:`forward` in training by the fused CPU kernels (same numerics)."""
+        norm = member(self, 'norm')
         out, mean, log_z = fused_tail_cpu.FusedStep.apply(
             self, x, None if state is None else state.mean,
-            None if state is None else state.log_z, self.wq.weight, self.wk.weight,
-            self.phi.weight, self.drop_path.keep_mask(x), self.wv.weight, self.norm.weight,
-            self.norm.bias, pooled)
+            None if state is None else state.log_z, _weight(self, 'wq'), _weight(self, 'wk'),
+            _weight(self, 'phi'), member(self, 'drop_path').keep_mask(x), _weight(self, 'wv'),
+            member(norm, 'weight'), member(norm, 'bias'), pooled)
         return out, KCLAState(mean, log_z)
 
     def _fusable(self, x: Tensor, state: Optional[KCLAState], adapt: bool = False) -> bool:
@@ -553,9 +555,9 @@ def residual_norm_relu_pool_(x: Tensor, res: Tensor, norm: Optional[nn.Module] =
                 return x, pooled
         elif FUSED_TRAINING and fused_tail_cpu.block_end_applicable(norm, res_norm, x):
             return fused_tail_cpu.BlockEnd.apply(
-                norm, res_norm, x, res, norm.weight, norm.bias,
-                None if res_norm is None else res_norm.weight,
-                None if res_norm is None else res_norm.bias)
+                norm, res_norm, x, res, member(norm, 'weight'), member(norm, 'bias'),
+                None if res_norm is None else member(res_norm, 'weight'),
+                None if res_norm is None else member(res_norm, 'bias'))
     if norm is not None:
         x = norm(x)
     if res_norm is not None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from utils import kcla_layer, randomize_norms, record_calls, torch_threads
+from utils import Doubled, kcla_layer, randomize_norms, record_calls, torch_threads
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kcla_ops
@@ -77,21 +77,16 @@ def test_step_matches_eager(shape, with_state, clamp, monkeypatch, fused_calls):
         assert got_state.mean is x  # the first block's state is its output, as eagerly
 
 
-class _Double(nn.Module):
-    def forward(self, w):
-        return 2 * w
-
-
 def test_fused_step_reads_parametrized_weights_as_the_module_does(monkeypatch, fused_calls):
     # the inference path reads weights from the modules' own tables (member());
     # a parametrized one (a property, not in _parameters) is read as the module
     # computes it, in the fused kernel's arguments as in the eager path's
     layer, plain = make(64), make(64)
     for name in ('wv', 'wq', 'phi'):
-        parametrize.register_parametrization(getattr(layer, name), 'weight', _Double())
+        parametrize.register_parametrization(getattr(layer, name), 'weight', Doubled())
         with torch.no_grad():
             getattr(plain, name).weight.mul_(2)
-    parametrize.register_parametrization(layer.norm, 'weight', _Double())
+    parametrize.register_parametrization(layer.norm, 'weight', Doubled())
     with torch.no_grad():
         plain.norm.weight.mul_(2)
     g = torch.Generator().manual_seed(3)
@@ -112,7 +107,7 @@ def test_member_reads_what_getattr_reads():
     seq = nn.Sequential(conv, bn)
     assert member(conv, 'weight') is conv.weight and member(seq, '0') is conv
     assert member(bn, 'running_mean') is None and member(bn, 'eps') == bn.eps
-    parametrize.register_parametrization(conv, 'weight', _Double())
+    parametrize.register_parametrization(conv, 'weight', Doubled())
     torch.testing.assert_close(member(conv, 'weight'), conv.weight, rtol=0, atol=0)
     assert member(conv, 'weight') is not conv.parametrizations.weight.original
     with pytest.raises(AttributeError, match='nope'):

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from utils import kcla_layer, randomize_norms, record_calls
+from torch.nn.utils import parametrize
+from utils import Doubled, kcla_layer, randomize_norms, record_calls
 
 import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
 import kcla_mm.ops.kcla as kmod
@@ -75,6 +76,34 @@ def make(channels, head_dim, drop_path=0.0, momentum=0.1, seed=0):
     layer = kcla_layer(channels, head_dim, seed, drop_path=drop_path)
     layer.norm.momentum = momentum
     return layer.train()
+
+
+def test_training_step_reads_parametrized_weights_as_the_module_does(monkeypatch, fused_calls):
+    # the fused training step reads weights from the modules' own tables
+    # (member()); a parametrized one (a property, not in _parameters) is read as
+    # the module computes it, and its gradient flows back to the original (a
+    # parametrized norm is another class, which the kernels leave to the eager path)
+    layer, plain = make(64, 16), make(64, 16)
+    names = ('wv', 'wq', 'phi')
+    for name in names:
+        parametrize.register_parametrization(getattr(layer, name), 'weight', Doubled())
+        with torch.no_grad():
+            getattr(plain, name).weight.mul_(2)
+    g = torch.Generator().manual_seed(2)
+    x = cl(torch.rand(2, 64, 5, 6, generator=g))
+    state = KCLAState(cl(torch.randn(2, 64, 5, 6, generator=g)), torch.randn(2, 4, generator=g))
+    w_out = torch.randn(2, 64, 5, 6, generator=g)
+    outs = []
+    for net in (plain, layer):
+        out, new = net(x, state)
+        ((out * w_out).sum() + new.mean.sum()).backward()
+        outs.append(out)
+    assert len(fused_calls) == 2
+    assert torch.equal(outs[0], outs[1])
+    for name in names:  # w = 2 original: d/d original = 2 d/dw
+        want = getattr(plain, name).weight.grad * 2
+        got = getattr(layer, name).parametrizations.weight.original.grad
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 # (batch, channels, head_dim, H, W): batch 1 with many rows runs in bands;
