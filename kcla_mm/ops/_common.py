@@ -218,12 +218,21 @@ def _cached_norm_affine(norm: nn.Module, acc: torch.dtype) -> Tuple[Tensor, Tens
     version counter (bumped by optimiser steps, ``load_state_dict`` and any
     in-place write), and that of ``num_batches_tracked``: the BatchNorm kernel
     updates the running statistics without bumping their counters, but every
-    training forward increments ``num_batches_tracked``.
+    training forward increments ``num_batches_tracked``. A tensor computed on
+    every read (a parametrization) is a new tensor each time, whose storage
+    may reuse a freed one's at version 0, so no key can hold it: then nothing
+    is kept.
     """
-    nbt = member(norm, 'num_batches_tracked')
-    tensors = [member(norm, 'running_mean'), member(norm, 'running_var')] + (
-        [member(norm, 'weight'), member(norm, 'bias')] if norm.affine else []) + (
-        [nbt] if nbt is not None else [])
+    d = norm.__dict__
+    params, buffers = d['_parameters'], d['_buffers']
+    tensors = [buffers.get('running_mean'), buffers.get('running_var')] + (
+        [params.get('weight'), params.get('bias')] if norm.affine else [])
+    if any(t is None for t in tensors):  # not a registered tensor: computed on read
+        weight, shift = _norm_affine(norm, acc, None, None)
+        return weight[None, :, None, None], shift[None, :, None, None]
+    nbt = buffers.get('num_batches_tracked')
+    if nbt is not None:
+        tensors.append(nbt)
     key = (acc, norm.eps) + tuple((t.data_ptr(), t._version, t.device) for t in tensors)
     cached = norm.__dict__.get('_kcla_folded_affine')
     if cached is None or cached[0] != key:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from reference_kcla import as_reference, reference_step
 from reference_kcla import seq as reference_inv_tau
 from torch import nn
-from utils import assert_finite, params_without_grad, randomize_norms, state_bytes
+from utils import Doubled, assert_finite, params_without_grad, randomize_norms, state_bytes
 
 from kcla_mm.ops import KCLA, BlockPosition, FullLayerAttention, KCLAState
 
@@ -439,6 +439,29 @@ def test_cached_eval_fold_follows_every_change_of_the_norm():
     check()
     layer.norm.bias.data = torch.randn(16)
     check()
+
+
+def test_eval_fold_of_a_parametrized_norm_is_not_kept():
+    # a parametrized weight is a new tensor at every read, possibly in a freed
+    # one's storage at version 0: no cache key can hold it, so nothing is kept
+    # and every forward folds the weight of that moment
+    from torch.nn.utils import parametrize
+    torch.manual_seed(0)
+    layer = KCLA(16, head_dim=8).eval()
+    randomize_norms(layer)
+    parametrize.register_parametrization(layer.norm, 'weight', Doubled())
+    x = torch.rand(2, 16, 4, 4)
+    plain = KCLA(16, head_dim=8).eval()
+    for step in range(3):
+        with torch.no_grad():
+            got, _ = layer(x)
+            plain.load_state_dict({k.replace('parametrizations.weight.original', 'weight'): v
+                                   for k, v in layer.state_dict().items()})
+            plain.norm.weight.mul_(2)
+            want, _ = plain(x)
+            layer.norm.parametrizations.weight.original.add_(0.5)  # an optimiser step
+        torch.testing.assert_close(got, want)
+        assert '_kcla_folded_affine' not in layer.norm.__dict__
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16])
