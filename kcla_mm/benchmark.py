@@ -663,6 +663,69 @@ def round_ratio_table(results: Dict[Candidate, Result]) -> str:
     return '\n'.join(lines)
 
 
+#: Student's t, two-sided 95% (the 0.975 quantile), for 1 to 30 degrees of freedom
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_interval(values: Sequence[float]) -> Tuple[float, float, float]:
+    """``(mean, low, high)``: the mean and its two-sided 95% Student-t interval.
+
+    ``low`` and ``high`` are NaN for fewer than two values. Past 30 degrees
+    of freedom the quantile of 30 is used (a slightly wider interval).
+    """
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = _T975[min(len(values) - 1, 30) - 1] * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def pooled_ratio_table(runs: Sequence[Dict[Candidate, Result]]) -> str:
+    """Several runs' ratios to the plain ResNet, pooled: one row per candidate.
+
+    One run on a shared machine settles a ratio to a few percent at best
+    (its rounds share the machine's state of those minutes); several runs of
+    the same code and setting settle it better. Per candidate with its
+    plain ResNet in at least one run (by family, depth and method), for the
+    forward and the training step: the runs' ratios of medians (the main
+    table's figure), min - max; their mean with a 95% Student-t interval
+    over the runs (each run one sample); and the median of every round's
+    ratio of all the runs. Peak memory: the runs' ratios, min - max.
+    """
+    order = sorted({c for results in runs for c in results}, key=lambda c: (
+        c.family != 'imagenet', c.depth, c.compiled,
+        METHODS.index(c.method) if c.method in METHODS else len(METHODS), c.method))
+    lines = ["| backbone | method | runs | rounds | forward: runs' ratios, min - max | forward: "
+             "mean of the runs, 95% interval | forward: median of all rounds | train step: "
+             "runs' ratios, min - max | train step: mean of the runs, 95% interval | train "
+             "step: median of all rounds | peak train memory: runs' ratios, min - max |",
+             '|' + ' --- |' * 2 + ' ---: |' * 9]
+    for c in order:
+        pairs = [(res[c], res[c.baseline]) for res in runs if c in res and c.baseline in res]
+        if c.method == 'none' or not pairs:
+            continue
+        cells = [str(len(pairs)), str(sum(len(r.train) for r, _ in pairs))]
+        for attr in ('forward', 'train'):
+            ratios = [getattr(r, attr + '_median') / getattr(b, attr + '_median')
+                      for r, b in pairs if getattr(r, attr) and getattr(b, attr)
+                      and getattr(b, attr + '_median') > 0]
+            rounds = [x for r, b in pairs for x in round_ratios(r, b, attr)]
+            if not ratios:
+                cells += ['n/a'] * 3
+                continue
+            mean, low, high = t_interval(ratios)
+            cells += [f'{min(ratios):.3f}x - {max(ratios):.3f}x',
+                      f'{mean:.3f}x' + ('' if math.isnan(low) else
+                                        f' ({low:.3f}x - {high:.3f}x)'),
+                      f'{statistics.median(rounds):.3f}x' if rounds else 'n/a']
+        mem = [r.memory / b.memory for r, b in pairs if r.memory and b.memory]
+        cells.append(f'{min(mem):.3f}x - {max(mem):.3f}x' if mem else 'n/a')
+        lines.append(f'| {_backbone_label(c)} | {c.method} | ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
 def plot(results: Dict[Candidate, Result], path: str, title: str = '') -> None:
     """Extra cost over the plain ResNet against depth, one row per family, written as a PNG."""
     from matplotlib.figure import Figure

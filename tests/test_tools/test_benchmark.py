@@ -1,5 +1,6 @@
 """The layer-attention benchmark: a --quick run end to end, and its measuring pieces."""
 import importlib.util
+import json
 import math
 import os
 import re
@@ -421,6 +422,100 @@ def test_round_ratio_table_rows_and_spread():
                                '1.100x / 1.200x / 1.300x']
     results[kcla] = _timed(kcla, [1.0, 1.0], [1.0, 1.0])  # rounds that do not pair
     assert cells(round_ratio_table(results).splitlines()[2])[3:] == ['n/a', 'n/a']
+
+
+def test_t_interval_against_hand_computed_and_scipy_quantiles():
+    # mean 2, standard deviation 1, three values: 2 +- t(0.975, 2) / sqrt(3)
+    mean, low, high = bench.t_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0
+    assert (low, high) == pytest.approx((2 - 4.303 / math.sqrt(3), 2 + 4.303 / math.sqrt(3)))
+    assert bench.t_interval([1.5])[0] == 1.5 and math.isnan(bench.t_interval([1.5])[1])
+    # the table's quantiles are Student's (scipy where installed: an independent reference)
+    stats = pytest.importorskip('scipy.stats')
+    for df in (1, 2, 5, 14, 30):
+        assert bench._T975[df - 1] == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4)
+    # past 30 degrees of freedom the 30's quantile (wider than the true one)
+    values = [float(i % 7) for i in range(50)]
+    m, lo, _ = bench.t_interval(values)
+    assert m - lo == pytest.approx(2.042 * statistics.stdev(values) / math.sqrt(50))
+    assert m - lo > stats.t.ppf(0.975, 49) * statistics.stdev(values) / math.sqrt(50)
+
+
+def _pool_runs():
+    plain, kcla = Candidate('imagenet', 50, 'none'), Candidate('imagenet', 50, 'KCLA')
+    mrla = Candidate('imagenet', 50, 'MRLALight')
+    run1 = {plain: Result(plain, 16, 1, None, 100, [1.0, 1.0, 1.0], [10.0, 10.0, 10.0]),
+            kcla: Result(kcla, 16, 1, None, 120, [1.1, 1.2, 1.0], [12.0, 11.0, 13.0]),
+            mrla: Result(mrla, 16, 1, None, 150, [1.3, 1.3, 1.3], [14.0, 14.0, 14.0])}
+    run2 = {plain: Result(plain, 16, 1, None, 100, [2.0, 2.0], [20.0, 40.0]),
+            kcla: Result(kcla, 16, 1, None, 121, [2.2, 2.6], [22.0, 26.0])}
+    return run1, run2
+
+
+def test_pooled_ratio_table_pools_the_runs_ratios_and_rounds():
+    run1, run2 = _pool_runs()
+    lines = bench.pooled_ratio_table([run1, run2]).splitlines()
+    assert len(lines) == 4  # header, rule, MRLA-light (one run), KCLA (both runs)
+    mrla, kcla = cells(lines[2]), cells(lines[3])
+    # forward: ratios of medians 1.1 and 1.2; mean 1.15, s = 0.0707, t(0.975, 1) = 12.706;
+    # every round: 1.1, 1.2, 1.0, 1.1, 1.3 -> median 1.1
+    half = 12.706 * statistics.stdev([1.1, 1.2]) / math.sqrt(2)
+    assert kcla[:5] == ['ResNet-50', 'KCLA', '2', '5', '1.100x - 1.200x']
+    assert kcla[5] == f'1.150x ({1.15 - half:.3f}x - {1.15 + half:.3f}x)'
+    assert kcla[6] == '1.100x'
+    # training: medians 12 / 10 and 24 / 30; rounds 1.2, 1.1, 1.3, 1.1, 0.65 -> 1.1
+    assert kcla[7] == '0.800x - 1.200x' and kcla[8].startswith('1.000x (')
+    assert kcla[9] == '1.100x'
+    assert kcla[10] == '1.200x - 1.210x'  # memory
+    # one run: no interval
+    assert mrla[:7] == ['ResNet-50', 'MRLALight', '1', '3', '1.300x - 1.300x', '1.300x',
+                        '1.300x']
+    assert mrla[10] == '1.500x - 1.500x'
+
+
+def _benchmark_tool():
+    spec = importlib.util.spec_from_file_location('kcla_benchmark_layer_attention', TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_run(path, results, device='CPU X (AVX2), 2 logical cores; CPU threads: 2',
+               fmt='channels-last'):
+    header = [f'device: {device}', 'ResNet: batch 4 at 224x224; CIFAR ResNet: batch 16 at 32x32',
+              f'medians of 3 interleaved rounds after 1 warm-up; memory format: {fmt}']
+    path.write_text(json.dumps(dict(header=header, argv=[], results=[
+        dict(name=c.name, family=c.family, depth=c.depth, method=c.method,
+             compiled=c.compiled, blocks=r.blocks, params=r.params, flops=r.flops,
+             peak_memory_bytes=r.memory, forward_s=r.forward, train_step_s=r.train)
+        for c, r in results.items()])))
+    return str(path)
+
+
+def test_benchmark_tool_pools_runs_of_one_machine_and_setting(tmp_path):
+    tool = _benchmark_tool()
+    run1, run2 = _pool_runs()
+    a, b = _write_run(tmp_path / 'a.json', run1), _write_run(tmp_path / 'b.json', run2)
+    text = tool.pool([a, b], str(tmp_path / 'out'))
+    assert (tmp_path / 'out' / 'pooled.md').read_text() == text
+    assert '- device: CPU X (AVX2), 2 logical cores; CPU threads: 2' in text
+    assert f'- pooled: 2 runs: {a}, {b}' in text
+    assert text.endswith(bench.pooled_ratio_table([run1, run2]) + '\n')
+    # runs of another machine, thread count or memory format are not pooled
+    for kw, what in [(dict(device='CPU Y (AVX-512), 2 logical cores; CPU threads: 2'),
+                      'the device'),
+                     (dict(device='CPU X (AVX2), 2 logical cores; CPU threads: 1'), 'the device'),
+                     (dict(fmt='contiguous'), 'the memory format')]:
+        c = _write_run(tmp_path / 'c.json', run2, **kw)
+        with pytest.raises(SystemExit, match=f'{re.escape(c)} differs from .* in {what}'):
+            tool.pool([a, c], str(tmp_path / 'out'))
+    bad = tmp_path / 'bad.json'
+    bad.write_text('{"rows": []}')
+    with pytest.raises(SystemExit, match=f'{re.escape(str(bad))} is not a benchmark.json'):
+        tool.pool([a, str(bad)], str(tmp_path / 'out'))
+    with pytest.raises(SystemExit):  # argparse: one of the two re-rendering modes
+        tool.parse_args(['--pool', a, '--from-json', a])
+    assert tool.parse_args(['--pool', a, b]).pool == [a, b]
 
 
 def _ops_tool():

@@ -37,13 +37,18 @@ Outputs in --out-dir: benchmark.md (settings + table, then the same rounds
 paired: each method's time over the plain ResNet's of the same round, min /
 median / max over the rounds, which shows how far single rounds stray from
 the ratio of medians), benchmark.json (all measurements, every repeat),
-benchmark.png (extra cost over the plain ResNet against depth).
+benchmark.png (extra cost over the plain ResNet against depth). With --pool,
+nothing is measured: several runs' benchmark.json, of one machine and one
+setting, are pooled into pooled.md (each run's ratio of medians, their mean
+with a 95% Student-t interval over the runs, the median of every round's
+ratio): one run on a shared machine settles a ratio to a few percent at best.
 
 Examples::
 
     python tools/analysis_tools/benchmark_layer_attention.py            # ~10 min on 2 cores
     python tools/analysis_tools/benchmark_layer_attention.py --quick    # smoke test, seconds
     python tools/analysis_tools/benchmark_layer_attention.py --device cuda --batch 32 --compile
+    python tools/analysis_tools/benchmark_layer_attention.py --pool a/benchmark.json b/bench.json
 """
 import argparse
 import json
@@ -57,7 +62,7 @@ import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
                                allocator_description, build_backbone, count_flops, cpu_features,
-                               cpu_name, load_results, markdown_table, plot,
+                               cpu_name, load_results, markdown_table, plot, pooled_ratio_table,
                                restart_with_tuned_allocator, round_ratio_table, run)
 from kcla_mm.ops import cpu_kernels
 
@@ -128,9 +133,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--from-json', metavar='FILE',
                         help='measure nothing: re-render benchmark.md and benchmark.png from a '
                         'benchmark.json of an earlier run into --out-dir')
+    parser.add_argument('--pool', metavar='FILE', nargs='+',
+                        help='measure nothing: pool the rounds of several benchmark.json runs '
+                        'of one machine and setting (each run\'s ratios, their mean with a 95%% '
+                        'interval over the runs, the median of all rounds) into pooled.md in '
+                        '--out-dir')
     parser.add_argument('--out-dir', default='work_dirs/benchmark_layer_attention',
                         help='folder for benchmark.md, benchmark.json and benchmark.png')
     args = parser.parse_args(argv)
+    if args.pool and args.from_json:
+        parser.error('--pool and --from-json: give one of them')
     preset = QUICK if args.quick else FULL
     for k, v in preset.items():
         if getattr(args, k) is None:
@@ -183,11 +195,66 @@ def rerender(path: str, out_dir: str) -> Dict[Candidate, object]:
     return results
 
 
+#: what must agree for runs to be pooled: the header line that starts with
+#: the machine (and threads), the one with the input sizes, and the memory
+#: format, at the end of another line
+_POOL_KEYS = (('device: ', 'the device'), ('ResNet: ', 'the input sizes'),
+              ('memory format: ', 'the memory format'))
+
+
+def _header_value(header: List[str], key: str) -> Optional[str]:
+    for line in header:
+        if line.startswith(key) or (key == 'memory format: ' and key in line):
+            return line[line.index(key) + len(key):]
+    return None
+
+
+def pool(paths: Sequence[str], out_dir: str) -> str:
+    """Pool several runs' benchmark.json into pooled.md in ``out_dir``; returns its text.
+
+    Raises:
+        SystemExit: a file is not a benchmark.json, or its run differs from
+            the first one's in the device, threads, input sizes or memory format.
+    """
+    runs, first = [], None
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            header = list(data['header'])
+            results = load_results(data)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f'--pool: {path} is not a benchmark.json of this tool '
+                             f'({type(e).__name__}: {e})')
+        if first is None:
+            first = (path, header)
+        for key, what in _POOL_KEYS:
+            mine, theirs = _header_value(header, key), _header_value(first[1], key)
+            if mine != theirs:
+                raise SystemExit(f'--pool: {path} differs from {first[0]} in {what} '
+                                 f'({mine!r} against {theirs!r}); pool the runs of one '
+                                 'machine and one setting')
+        runs.append(results)
+    lines = [f'{key}{_header_value(first[1], key)}' for key, _ in _POOL_KEYS
+             if _header_value(first[1], key) is not None]
+    lines.append(f'pooled: {len(paths)} runs: ' + ', '.join(paths))
+    text = ('\n'.join(f'- {line}' for line in lines) + '\n\n' + pooled_ratio_table(runs)
+            + '\n')
+    os.makedirs(out_dir, exist_ok=True)
+    with open(osp.join(out_dir, 'pooled.md'), 'w') as f:
+        f.write(text)
+    return text
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     """Run the benchmark; returns the results per candidate."""
     args = parse_args(argv)
     if args.from_json:
         return rerender(args.from_json, args.out_dir)
+    if args.pool:
+        print(pool(args.pool, args.out_dir), end='')
+        print(f'wrote pooled.md to {args.out_dir}')
+        return {}
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
