@@ -567,6 +567,15 @@ def _cell(value: Optional[float], base: Optional[float], fmt: str) -> str:
     return f'{value:{fmt}} ({_ratio(value, base)})'
 
 
+def dump_results(results: Dict[Candidate, Result]) -> List[Dict[str, Any]]:
+    """``results`` as a ``benchmark.json``'s ``results`` list, which :func:`load_results` reads."""
+    return [dict(name=c.name, family=c.family, depth=c.depth, method=c.method,
+                 compiled=c.compiled, blocks=r.blocks, params=r.params, flops=r.flops,
+                 peak_memory_bytes=r.memory, forward_s=r.forward, train_step_s=r.train,
+                 page_faults_per_train_step=r.faults)
+            for c, r in results.items()]
+
+
 def load_results(data: Dict[str, Any]) -> Dict[Candidate, Result]:
     """The results of a ``benchmark.json`` written by the tool (to re-render them)."""
     results = {}

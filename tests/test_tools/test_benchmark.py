@@ -484,17 +484,16 @@ def _write_run(path, results, device='CPU X (AVX2), 2 logical cores; CPU threads
                fmt='channels-last'):
     header = [f'device: {device}', 'ResNet: batch 4 at 224x224; CIFAR ResNet: batch 16 at 32x32',
               f'medians of 3 interleaved rounds after 1 warm-up; memory format: {fmt}']
-    path.write_text(json.dumps(dict(header=header, argv=[], results=[
-        dict(name=c.name, family=c.family, depth=c.depth, method=c.method,
-             compiled=c.compiled, blocks=r.blocks, params=r.params, flops=r.flops,
-             peak_memory_bytes=r.memory, forward_s=r.forward, train_step_s=r.train)
-        for c, r in results.items()])))
+    path.write_text(json.dumps(dict(header=header, argv=[],
+                                    results=bench.dump_results(results))))
     return str(path)
 
 
 def test_benchmark_tool_pools_runs_of_one_machine_and_setting(tmp_path):
     tool = _benchmark_tool()
     run1, run2 = _pool_runs()
+    run1[Candidate('imagenet', 50, 'none')].faults = [0.0, 2.0, 1.0]
+    assert bench.load_results({'results': bench.dump_results(run1)}) == run1  # a round trip
     a, b = _write_run(tmp_path / 'a.json', run1), _write_run(tmp_path / 'b.json', run2)
     text = tool.pool([a, b], str(tmp_path / 'out'))
     assert (tmp_path / 'out' / 'pooled.md').read_text() == text

@@ -62,8 +62,9 @@ import torch
 
 from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
                                allocator_description, build_backbone, count_flops, cpu_features,
-                               cpu_name, load_results, markdown_table, plot, pooled_ratio_table,
-                               restart_with_tuned_allocator, round_ratio_table, run)
+                               cpu_name, dump_results, load_results, markdown_table, plot,
+                               pooled_ratio_table, restart_with_tuned_allocator, round_ratio_table,
+                               run)
 from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
@@ -195,16 +196,16 @@ def rerender(path: str, out_dir: str) -> Dict[Candidate, object]:
     return results
 
 
-#: what must agree for runs to be pooled: the header line that starts with
-#: the machine (and threads), the one with the input sizes, and the memory
-#: format, at the end of another line
-_POOL_KEYS = (('device: ', 'the device'), ('ResNet: ', 'the input sizes'),
-              ('memory format: ', 'the memory format'))
+#: what must agree for runs to be pooled, as (key, what it is, whether the
+#: key starts its header line): the machine (and threads), the input sizes,
+#: and the memory format (at the end of the line on the rounds)
+_POOL_KEYS = (('device: ', 'the device', True), ('ResNet: ', 'the input sizes', True),
+              ('memory format: ', 'the memory format', False))
 
 
-def _header_value(header: List[str], key: str) -> Optional[str]:
+def _header_value(header: List[str], key: str, at_start: bool) -> Optional[str]:
     for line in header:
-        if line.startswith(key) or (key == 'memory format: ' and key in line):
+        if line.startswith(key) if at_start else key in line:
             return line[line.index(key) + len(key):]
     return None
 
@@ -228,15 +229,16 @@ def pool(paths: Sequence[str], out_dir: str) -> str:
                              f'({type(e).__name__}: {e})')
         if first is None:
             first = (path, header)
-        for key, what in _POOL_KEYS:
-            mine, theirs = _header_value(header, key), _header_value(first[1], key)
+        for key, what, at_start in _POOL_KEYS:
+            mine = _header_value(header, key, at_start)
+            theirs = _header_value(first[1], key, at_start)
             if mine != theirs:
                 raise SystemExit(f'--pool: {path} differs from {first[0]} in {what} '
                                  f'({mine!r} against {theirs!r}); pool the runs of one '
                                  'machine and one setting')
         runs.append(results)
-    lines = [f'{key}{_header_value(first[1], key)}' for key, _ in _POOL_KEYS
-             if _header_value(first[1], key) is not None]
+    values = [(key, _header_value(first[1], key, at_start)) for key, _, at_start in _POOL_KEYS]
+    lines = [key + value for key, value in values if value is not None]
     lines.append(f'pooled: {len(paths)} runs: ' + ', '.join(paths))
     text = ('\n'.join(f'- {line}' for line in lines) + '\n\n' + pooled_ratio_table(runs)
             + '\n')
@@ -335,12 +337,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
     print(write_outputs(results, header, args.out_dir, title))
     with open(osp.join(args.out_dir, 'benchmark.json'), 'w') as f:
         json.dump(dict(header=header, argv=list(sys.argv[1:] if argv is None else argv),
-                       results=[dict(name=c.name, family=c.family, depth=c.depth,
-                                     method=c.method, compiled=c.compiled, blocks=r.blocks,
-                                     params=r.params, flops=r.flops, peak_memory_bytes=r.memory,
-                                     forward_s=r.forward, train_step_s=r.train,
-                                     page_faults_per_train_step=r.faults)
-                                for c, r in results.items()]), f, indent=1)
+                       results=dump_results(results)), f, indent=1)
     print(f'wrote benchmark.md, benchmark.json and benchmark.png to {args.out_dir}')
     return results
 
