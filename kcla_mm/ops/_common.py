@@ -76,6 +76,10 @@ def eca(p: Tensor, *convs: nn.Conv1d) -> Tuple[Tensor, ...]:
     """
     k = convs[0].weight.shape[-1]
     pad = (k - 1) // 2
+    if torch.onnx.is_in_onnx_export():
+        # ONNX has no Unfold of a data-dependent size: the same product as a Conv1d
+        weight = torch.cat([c.weight for c in convs]).to(p.dtype)  # [n, 1, k]
+        return tuple(F.conv1d(p[:, None], weight, padding=pad).unbind(1))
     windows = F.pad(p, (pad, pad)).unfold(1, k, 1)  # [B, C, k]
     # [n, k] -> [k, n]: few ops, each costs more than its arithmetic here.
     # Concatenated along dim 0, each weight's gradient is a whole row, in the
