@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import kcla_mm.benchmark as bench
-from kcla_mm.benchmark import (THP_ENV, TUNED_ALLOCATOR_ENV, Candidate, CifarKCLAResNet,
-                               LiveTensorBytes, Result, Setting, build_backbone, markdown_table,
-                               num_blocks, peak_train_memory, round_ratio_table, round_ratios, run)
+import kcla_mm.analysis.benchmark as bench
+from kcla_mm.analysis.benchmark import (THP_ENV, TUNED_ALLOCATOR_ENV, Candidate, LiveTensorBytes,
+                                        Result, Setting, build_backbone, markdown_table,
+                                        num_blocks, peak_train_memory, round_ratio_table,
+                                        round_ratios, run)
+from kcla_mm.models.backbones.cifar_kcla_resnet import CifarKCLAResNet
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'analysis_tools' / 'benchmark_layer_attention.py'
@@ -289,7 +291,7 @@ def test_run_interleaves_and_measures_memory_in_the_warmup():
 
 def test_run_keeps_the_fastest_of_the_inner_runs(monkeypatch):
     # each round times --inner back-to-back runs and keeps the fastest
-    import kcla_mm.benchmark as bmod
+    import kcla_mm.analysis.benchmark as bmod
     cands = [Candidate('cifar', 8, 'none')]
     models = {c: build_backbone(c.family, c.depth, c.method, tiny=True) for c in cands}
     fake = iter([5.0, 3.0, 4.0, 9.0, 7.0, 8.0] * 2)
@@ -305,7 +307,7 @@ def test_run_keeps_the_fastest_of_the_inner_runs(monkeypatch):
 def test_run_sets_the_mode_outside_the_timed_calls(monkeypatch):
     # model.eval()/train() walk every module (about 1 ms for a KCLA-ResNet-50,
     # twice the plain one's): the timed calls run in the mode already set
-    import kcla_mm.benchmark as bmod
+    import kcla_mm.analysis.benchmark as bmod
     cands = [Candidate('cifar', 8, 'KCLA')]
     model = build_backbone('cifar', 8, 'KCLA', tiny=True)
     switches, timed_modes = [], []
@@ -336,7 +338,7 @@ def test_run_resets_gradients_over_a_parameter_list_not_a_module_walk(monkeypatc
     # model.parameters() walks every module (KCLA's models have about twice as
     # many): the timed steps reset the gradients over a list, as an optimiser
     # holds it, and still start from no gradient
-    import kcla_mm.benchmark as bmod
+    import kcla_mm.analysis.benchmark as bmod
     cands = [Candidate('cifar', 8, 'KCLA')]
     model = build_backbone('cifar', 8, 'KCLA', tiny=True)
     walks = []
@@ -379,7 +381,7 @@ def test_run_resets_gradients_over_a_parameter_list_not_a_module_walk(monkeypatc
 
 def test_run_counts_page_faults_per_training_step(monkeypatch):
     # the counter's difference around the inner training steps, divided by them
-    import kcla_mm.benchmark as bmod
+    import kcla_mm.analysis.benchmark as bmod
     cands = [Candidate('cifar', 8, 'none')]
     models = {c: build_backbone(c.family, c.depth, c.method, tiny=True) for c in cands}
     counter = iter([100, 160, 1000, 1090])  # two rounds: 60 and 90 faults over 3 steps

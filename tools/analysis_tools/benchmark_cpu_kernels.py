@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kcla_mm.benchmark import allocator_description, restart_with_tuned_allocator
+from kcla_mm.analysis.benchmark import allocator_description, restart_with_tuned_allocator
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
 from kcla_mm.ops import cpu_kernels
 
@@ -36,7 +36,7 @@ def main() -> None:
                         help='time training steps instead of eval forwards')
     parser.add_argument('--default-allocator', action='store_true',
                         help='keep the allocators\' default settings (by default the tool '
-                        're-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
+                        're-executes itself with kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV)')
     args = parser.parse_args()
     if not args.default_allocator:
         restart_with_tuned_allocator()

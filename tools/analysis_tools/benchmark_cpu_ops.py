@@ -45,7 +45,7 @@ in L2, ``train_backward`` 70%, ``eval_step`` 33-39%, ``torch.add`` 15%
 The writes of maps stored non-temporally go to memory in both figures.)
 
 Restarts itself with the tuned CPU allocator settings unless
-``--default-allocator`` (see :data:`kcla_mm.benchmark.TUNED_ALLOCATOR_ENV`).
+``--default-allocator`` (see :data:`kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV`).
 """
 import argparse
 import math
@@ -58,7 +58,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kcla_mm.benchmark import allocator_description, restart_with_tuned_allocator
+from kcla_mm.analysis.benchmark import allocator_description, restart_with_tuned_allocator
 from kcla_mm.ops import cpu_kernels
 
 #: ResNet-50's stages: (channels, stride to the input, blocks)
@@ -351,7 +351,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         'memory (rotated over --rotate-mb, 600 if not given)')
     parser.add_argument('--default-allocator', action='store_true',
                         help='keep the allocators\' default settings (by default the tool '
-                        're-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
+                        're-executes itself with kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV)')
     args = parser.parse_args(argv)
     for name in ('batch', 'size', 'threads', 'rounds'):
         if getattr(args, name) < 1:

@@ -29,7 +29,7 @@ outside the dispatcher). FLOPs: mmengine's FlopAnalyzer (one multiply-add =
 1), plus elementwise arithmetic unless --no-elementwise. The number of CPU
 threads is set with --threads and stated in the output. On CPU the tool
 re-executes itself with the tuned allocator settings of
-kcla_mm.benchmark.TUNED_ALLOCATOR_ENV (torch's huge pages, glibc keeping freed
+kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV (torch's huge pages, glibc keeping freed
 memory; for every candidate alike; --default-allocator keeps the defaults),
 says so, and counts the page faults of every training step.
 
@@ -60,7 +60,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from kcla_mm.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
+from kcla_mm.analysis.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
                                allocator_description, build_backbone, count_flops, cpu_features,
                                cpu_name, dump_results, load_results, markdown_table, plot,
                                pooled_ratio_table, restart_with_tuned_allocator, round_ratio_table,
@@ -115,7 +115,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      'channels-last with layer attention, NCHW without)')
     parser.add_argument('--default-allocator', action='store_true',
                         help='on CPU, keep the allocators\' default settings; by default the '
-                        'tool re-executes itself with kcla_mm.benchmark.TUNED_ALLOCATOR_ENV '
+                        'tool re-executes itself with kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV '
                         '(huge pages, freed memory kept), the same for every candidate')
     parser.add_argument('--keep-attn-outputs', action='store_true',
                         help='build the backbones with recompute_attn_outputs=False: KCLA\'s '

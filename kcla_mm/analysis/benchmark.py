@@ -38,13 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from mmcv.cnn import build_conv_layer, build_norm_layer
-from mmdet.models.backbones.resnet import BasicBlock
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-from .models.backbones.mmdet_kcla_resnet import KCLAResNet
 
 #: torch's switch for huge pages on the CPU: allocations of 2 MB and more are
 #: 2 MB-aligned and ``madvise(MADV_HUGEPAGE)``-d. c10 reads it once, at torch's
@@ -180,40 +176,6 @@ IMAGENET_DEPTHS: Tuple[int, ...] = (50, 101, 152)
 CIFAR_DEPTHS: Tuple[int, ...] = (20, 56, 110, 254)
 
 
-class CifarKCLAResNet(KCLAResNet):
-    """CIFAR-style ResNet of depth ``6n + 2`` with layer attention.
-
-    A 3x3 stride-1 stem (no max-pooling) and 3 stages of ``n`` BasicBlocks
-    (He et al. 2016, section 4.2); otherwise exactly :class:`KCLAResNet`.
-
-    Args:
-        depth: ``6n + 2`` for ``n >= 1`` (20, 32, 44, 56, 110, 254, ...).
-        base_channels: width of the first stage (16 in the paper).
-        head_dim: channels per head (16: 1, 2 and 4 heads per stage).
-        **kwargs: :class:`KCLAResNet` arguments.
-    """
-
-    arch_settings = {6 * n + 2: (BasicBlock, (n, n, n)) for n in range(1, 201)}
-
-    def __init__(self, depth: int, base_channels: int = 16, head_dim: int = 16,
-                 **kwargs) -> None:
-        kwargs.setdefault('num_stages', 3)
-        kwargs.setdefault('strides', (1, 2, 2))
-        kwargs.setdefault('dilations', (1, 1, 1))
-        kwargs.setdefault('out_indices', (2, ))
-        kwargs.setdefault('norm_eval', False)
-        super().__init__(depth=depth, base_channels=base_channels, head_dim=head_dim,
-                         **kwargs)
-
-    def _make_stem_layer(self, in_channels: int, stem_channels: int) -> None:
-        self.conv1 = build_conv_layer(self.conv_cfg, in_channels, stem_channels, kernel_size=3,
-                                      stride=1, padding=1, bias=False)
-        self.norm1_name, norm1 = build_norm_layer(self.norm_cfg, stem_channels, postfix=1)
-        self.add_module(self.norm1_name, norm1)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.Identity()
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One backbone to measure.
@@ -256,6 +218,9 @@ def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
     """
     if method not in METHODS:
         raise ValueError(f'method={method!r}; choose from {METHODS}')
+    # the host (mmdet) is imported here, not with this module
+    from ..models.backbones.cifar_kcla_resnet import CifarKCLAResNet
+    from ..models.backbones.mmdet_kcla_resnet import KCLAResNet
     layer_attn = None if method == 'none' else dict(type=method)
     kw: Dict[str, Any] = dict(layer_attn=layer_attn, channels_last=channels_last,
                               recompute_attn_outputs=recompute_attn_outputs)
@@ -416,7 +381,7 @@ def peak_train_memory(model: nn.Module, x: Tensor) -> int:
 
 def count_flops(model: nn.Module, x: Tensor, elementwise: bool = True) -> int:
     """FLOPs of one eval-mode forward (:func:`kcla_mm.analysis.flop_analyzer`)."""
-    from .analysis import flop_analyzer
+    from . import flop_analyzer
     model.eval()
     with torch.no_grad():
         return int(flop_analyzer(model, (x, ), elementwise=elementwise).total())

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import KCLA, FullLayerAttention, MRLALight
+from ..ops import KCLA, FullLayerAttention, MRLALight
 
 #: the layer-attention methods the analyses understand, in plotting order.
 METHODS: Tuple[str, ...] = ('KCLA', 'FullLayerAttention', 'MRLALight')
