@@ -12,8 +12,8 @@ adaptation (``adapt_forward``/``_backward``, one call at each of the three
 stage transitions). "training total" is the four ``train_*`` kernels'.
 ``train_backward`` is called as the model calls it for every block but the
 first: given the step's output, from which it takes
-``x`` (``x_is_out``; before the fourteenth session the tool gave it ``x``,
-which skips that work). ``--against DIR`` adds builds of other kernel
+``x`` (``x_is_out``; giving it ``x`` instead would skip that work).
+``--against DIR`` adds builds of other kernel
 sources (a ``kcla_mm/ops/csrc`` folder, e.g. of a ``git worktree`` at another
 commit): each is compiled under its own op namespace, checked to compute
 what the installed build computes, and timed in the same rounds, so that two
@@ -27,8 +27,8 @@ By default every call reads the same inputs, which then stay in the caches
 between calls; in a network most of a block's maps come from memory.
 ``--rotate-mb 600`` keeps copies of each stage's inputs, at least that many
 MB of them, and gives every call the next copy, so that each call reads its
-maps from memory (on the Intel VM a prefetch in ``train_apply`` measured 3%
-with the same inputs and 8-11% out of cache). Passing the same folder twice
+maps from memory (on an Intel Xeon with AVX-512 a prefetch in
+``train_apply`` measured 3% with the same inputs and 8-11% out of cache). Passing the same folder twice
 to ``--against`` builds it twice: an A/A pair, whose spread is the noise
 floor of the comparison.
 
@@ -38,11 +38,10 @@ core's L2 cache (the slope of the time against the height of small maps, so
 that the fixed cost of a call cancels) against its time on the stage-1 maps
 of the ResNet-50 read from memory, with ``torch.add`` of two maps as a
 reference that memory traffic bounds. A ratio near 1 says the op is bound by
-its own instructions; near the reference's, by memory. (On the Intel VM the
-four training kernels took 50-70% of their from-memory time on the same work
-in L2, ``train_backward`` 70%, ``eval_step`` 33-39%, ``torch.add`` 15%
-(fourth session, ``train_backward`` given ``x``).
-The writes of maps stored non-temporally go to memory in both figures.)
+its own instructions; near the reference's, by memory. (On an Intel Xeon
+with AVX-512 the four training kernels took 50-70% of their from-memory time
+on the same work in L2, ``train_backward`` 70% (given ``x``), ``eval_step``
+33-39%, ``torch.add`` 15%.) The writes of maps stored non-temporally go to memory in both figures.)
 
 Restarts itself with the tuned CPU allocator settings unless
 ``--default-allocator`` (see :data:`kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV`).
@@ -172,8 +171,8 @@ def check_same(namespace: str, data: Sequence[Tuple[Dict[str, torch.Tensor], int
                     continue
                 scale = float(a.double().abs().max()) + 1e-12
                 err = float((a.double() - b.double()).abs().max()) / scale
-                # builds that sum in another order differ by about 1e-5 (the
-                # fifteenth session's adapt_backward 1.4e-5); a wrong term, far more
+                # builds that sum in another order differ by about 1e-5 (an
+                # adapt_backward that did measured 1.4e-5); a wrong term, far more
                 if err > 1e-4:
                     raise SystemExit(f'{namespace}: {op} differs from the installed build '
                                      f'(max relative error {err:.2e})')
