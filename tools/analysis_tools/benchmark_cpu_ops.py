@@ -41,7 +41,8 @@ reference that memory traffic bounds. A ratio near 1 says the op is bound by
 its own instructions; near the reference's, by memory. (On an Intel Xeon
 with AVX-512 the four training kernels took 50-70% of their from-memory time
 on the same work in L2, ``train_backward`` 70% (given ``x``), ``eval_step``
-33-39%, ``torch.add`` 15%.) The writes of maps stored non-temporally go to memory in both figures.)
+33-39%, ``torch.add`` 15%. The writes of maps stored non-temporally go to
+memory in both figures.)
 
 Restarts itself with the tuned CPU allocator settings unless
 ``--default-allocator`` (see :data:`kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV`).
