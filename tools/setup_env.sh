@@ -12,6 +12,9 @@
 #                   KCLA_TORCH=skip.
 #   KCLA_WHEEL_DIR  where the mmcv wheel is cached.
 #   MAX_JOBS        parallel compile jobs for mmcv (default: nproc).
+#   KCLA_EXTRAS     optional extras of setup.cfg to install too, comma-separated,
+#                   e.g. KCLA_EXTRAS=deploy (onnx and onnxruntime, for
+#                   tools/deployment/). Default: none.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +23,7 @@ TORCH_REQ="${KCLA_TORCH:-torch==2.13.0}"
 WHEEL_DIR="${KCLA_WHEEL_DIR:-$HOME/.cache/kcla_mm/wheels}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.kcla_mm_installed"
+EXTRAS="${KCLA_EXTRAS:-}"
 
 log() { printf '[setup_env] %s\n' "$*"; }
 
@@ -29,7 +33,8 @@ if [ ! -x "$PY" ]; then
 fi
 
 # Fast path: everything already installed for this requirements/setup.cfg.
-want="$(cat "$ROOT/requirements.txt" "$ROOT/setup.cfg" | sha256sum | cut -d' ' -f1)"
+want="$( (cat "$ROOT/requirements.txt" "$ROOT/setup.cfg"; echo "extras=$EXTRAS") \
+    | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
         && "$PY" -c "import mmcv.ops, mmdet, mmseg, kcla_mm" 2>/dev/null; then
     log "environment up to date ($VENV)"
@@ -70,6 +75,11 @@ log "installing requirements and kcla_mm (editable)"
 "${PIP[@]}" install -q --no-build-isolation --no-deps -e "$ROOT[tests]" 2>/dev/null \
     || "${PIP[@]}" install -q --no-build-isolation --no-deps -e "$ROOT"
 "${PIP[@]}" install -q "pytest>=7" "flake8>=6,<8" "isort>=5,<7"
+if [ -n "$EXTRAS" ]; then
+    # everything else is installed by now: this adds only the extras' packages
+    log "installing the extras [$EXTRAS]"
+    "${PIP[@]}" install -q --no-build-isolation -e "$ROOT[$EXTRAS]"
+fi
 
 "$PY" -c "import mmcv.ops, mmdet, mmseg, kcla_mm; print('[setup_env] mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__)"
 # the fused CPU inference kernels of KCLA (built once per machine type into
