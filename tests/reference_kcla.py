@@ -1,6 +1,6 @@
 """An independent re-statement of the KCLA reference model, for tests only.
 
-Written from ``shared/design/kcla.md`` sections 4, 5 and 8 with the
+Written from ``docs/method.md`` sections 4, 5 and 8 with the
 reference's raw sums ``u`` and ``z`` and the reference's module names, so that
 it serves both as the numerical reference for the operator and as the source
 of synthetic reference checkpoints for the converter.

@@ -84,7 +84,7 @@ def test_key_matrix_matches_direct_computation():
 
 
 def test_collinear_keys_have_cosine_one():
-    # Keys that are positive multiples of one direction per head (spec section 3).
+    # Keys that are positive multiples of one direction per head (``docs/method.md``, section 3).
     u = torch.randn(1, 2, 8)
     keys = [u * s for s in (0.5, 1.0, 3.0)]
     np.testing.assert_allclose(A.key_cosine_matrix(keys), 1.0, atol=1e-12)

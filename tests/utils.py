@@ -86,3 +86,31 @@ class Doubled(nn.Module):
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return 2 * w
+
+
+def kernels_called(fn, *args, **kwargs) -> set:
+    """Names of the fused kernels (``kcla_mm::*`` ops) that ``fn(*args, **kwargs)`` calls.
+
+    Read from torch's profiler, which records every op the dispatcher runs,
+    so a test can check which implementation computed a result.
+    """
+    from torch.autograd import profiler
+    with profiler.profile() as prof:
+        fn(*args, **kwargs)
+    return {e.name.split('::', 1)[1] for e in prof.function_events
+            if e.name.startswith('kcla_mm::')}
+
+
+def kernel_calls(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), Counter of the fused kernels it called)``.
+
+    As :func:`kernels_called`, with ``fn``'s result and how many times each
+    ``kcla_mm::*`` op ran (e.g. once per block of a backbone).
+    """
+    import collections
+
+    from torch.autograd import profiler
+    with profiler.profile() as prof:
+        result = fn(*args, **kwargs)
+    return result, collections.Counter(e.name.split('::', 1)[1] for e in prof.function_events
+                                       if e.name.startswith('kcla_mm::'))

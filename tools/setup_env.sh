@@ -84,11 +84,11 @@ fi
 "$PY" -c "import mmcv.ops, mmdet, mmseg, kcla_mm; print('[setup_env] mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__)"
 # the fused CPU inference kernels of KCLA (built once per machine type into
 # torch's extension cache; without a compiler the eager path runs instead)
-if "$PY" -m kcla_mm.ops.cpu_kernels >/dev/null 2>&1; then
+if "$PY" -m kcla_mm.ops.fused.build >/dev/null 2>&1; then
     log "fused KCLA CPU kernels built"
 else
     log "WARNING: the fused KCLA CPU kernels could not be built; inference uses the eager path" \
-        "(see: $PY -m kcla_mm.ops.cpu_kernels)"
+        "(see: $PY -m kcla_mm.ops.fused.build)"
 fi
 echo "$want" > "$STAMP"
 log "done"

@@ -5,7 +5,7 @@ around it). Pure torch and numpy: matplotlib is imported inside the plotting
 functions and mmengine inside :func:`flop_analyzer`, so importing this module
 pulls in neither.
 
-Two analyses of the paper (spec section 9), for any backbone with
+Two analyses of the paper (``docs/method.md``, section 9), for any backbone with
 ``layer_attn_modules()`` (``KCLAResNet`` with ``KCLA``, ``FullLayerAttention``
 or ``MRLALight``):
 

@@ -18,7 +18,7 @@ NormLayer = Callable[[int], nn.Module]
 def eca_kernel_size(channels: int) -> int:
     """ECA kernel size: ``t = int(|(log2(C) + 1) / 2|)``, made odd.
 
-    Gives 5 for C = 256, 512, 1024 and 7 for C = 2048 (spec section 4).
+    Gives 5 for C = 256, 512, 1024 and 7 for C = 2048 (``docs/method.md``, section 4).
     """
     t = int(abs((math.log2(channels) + 1) / 2))
     return t if t % 2 else t + 1
@@ -128,7 +128,7 @@ def pooled_qk(x: Tensor, wq: nn.Module, wk: nn.Module, num_heads: int):
         x: block output, ``[B, C, H, W]``.
 
     Returns:
-        ``(q, k)``, each ``[B, G, d]`` in float32 or wider (spec section 6:
+        ``(q, k)``, each ``[B, G, d]`` in float32 or wider (``docs/method.md``, section 6:
         under AMP the weights and the gate are computed in float32).
     """
     b, c = x.shape[:2]

@@ -6,7 +6,7 @@ from typing import Dict, Optional, Type
 
 from torch import nn
 
-from ._common import BlockPosition
+from .common import BlockPosition
 from .full_layer_attention import FullLayerAttention
 from .kcla import KCLA
 from .mrla_light import MRLALight

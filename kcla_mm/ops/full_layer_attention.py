@@ -1,6 +1,6 @@
 """Exact (softmax) layer attention over the earlier blocks of a stage.
 
-The baseline that KCLA approximates (spec section 2)::
+The baseline that KCLA approximates (``docs/method.md``, section 2)::
 
     o_t^g = sum_{s<=t} softmax_s(<q_t^g, k_s^g> / sqrt(d)) * v_s^g
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
+from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
                       check_input, eca_conv, per_channel, pooled_qk, value_conv)
 
 
@@ -106,8 +106,13 @@ class FullLayerAttention(nn.Module):
             agg = a * v if agg is None else torch.addcmul(agg, a, v)
         return agg
 
-    def forward(self, x: Tensor, state: Optional[FullLayerAttentionState] = None
-                ) -> Tuple[Tensor, FullLayerAttentionState]:
+    def forward(self, x: Tensor, state: Optional[FullLayerAttentionState] = None, *,
+                reuse_state: bool = False) -> Tuple[Tensor, FullLayerAttentionState]:
+        """One step: ``(x + attention output, new state)``.
+
+        ``reuse_state`` is the operators' common speed hint (see
+        :meth:`kcla_mm.ops.KCLA.forward`); unused here.
+        """
         check_input(x, self.channels, 'FullLayerAttention')
         if self.stage_start or state is None:
             state = FullLayerAttentionState((), ())

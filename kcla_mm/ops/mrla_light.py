@@ -7,7 +7,7 @@
 
 so the contribution of block s to block t is scaled by the product
 ``lambda_{s+1} ... lambda_t`` and fades exponentially with depth: the
-behaviour KCLA is designed to avoid (spec sections 7 and 9).
+behaviour KCLA is designed to avoid (``docs/method.md``, sections 7 and 9).
 """
 import math
 from typing import NamedTuple, Optional, Tuple
@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
+from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
                       check_input, eca_conv, per_channel, pooled_qk, value_conv)
 
 
@@ -88,8 +88,13 @@ class MRLALight(nn.Module):
         """``sigmoid(<q, k> / sqrt(d))`` per head: ``[B, G]`` float32."""
         return torch.sigmoid((q * k).sum(-1) / math.sqrt(self.head_dim))
 
-    def forward(self, x: Tensor, state: Optional[MRLALightState] = None
-                ) -> Tuple[Tensor, MRLALightState]:
+    def forward(self, x: Tensor, state: Optional[MRLALightState] = None, *,
+                reuse_state: bool = False) -> Tuple[Tensor, MRLALightState]:
+        """One step: ``(x + attention output, new state)``.
+
+        ``reuse_state`` is the operators' common speed hint (see
+        :meth:`kcla_mm.ops.KCLA.forward`); unused here.
+        """
         check_input(x, self.channels, 'MRLALight')
         q, k = self.keys(x)  # [B, G, d]
         y = self.wv(x) * per_channel(self.gate(q, k), self.head_dim, x.dtype)  # [B, C, H, W]

@@ -1,6 +1,4 @@
 """KCLAResNet on both hosts: shapes, host semantics, keys, init, checkpoints."""
-import contextlib
-
 import pytest
 import torch
 from mmdet.models.backbones import ResNet as DetResNet
@@ -10,6 +8,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from utils import params_without_grad, randomize_norms
 
 from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg
+import kcla_mm.ops as ops
+from kcla_mm.ops.kcla_reference import kcla_step
 from kcla_mm.ops import KCLA, FullLayerAttention, MRLALight
 
 METHODS = {'KCLA': KCLA, 'FullLayerAttention': FullLayerAttention, 'MRLALight': MRLALight}
@@ -231,21 +231,25 @@ def test_bad_arguments_raise_at_build_time(cls, kwargs, match):
         cls(**kwargs)
 
 
-def test_randomized_norms_do_not_break_eval_fold():
-    # eval-mode folding of the attention BN equals the unfolded computation
-    model = tiny(depth=18).eval()
+@pytest.mark.parametrize('training', [False, True])
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+def test_backbone_equals_the_reference_step_by_step(cls, training):
+    # the backbone's threading of the state (plain ops, eval-mode folding of
+    # the attention BN, recomputation in training) against the paper's step
+    # (kcla_reference) applied after each host block, in float64
+    torch.manual_seed(0)
+    model = tiny(cls, depth=50, norm_eval=False).double().train(training)
     randomize_norms(model)
-    x = torch.rand(2, 3, 32, 32)
-    a = model(x)
-    import kcla_mm.ops.kcla as kmod
-    orig = kmod.fold_norm
-    kmod.fold_norm = lambda *args, **kwargs: None
-    try:
-        b = model(x)
-    finally:
-        kmod.fold_norm = orig
-    for u, v in zip(a, b):
-        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
+    x = torch.rand(2, 3, 32, 32, dtype=torch.float64)
+    with ops.fused_kernels(False):
+        got = model(x)
+        h, raw, want = model._stem(x.contiguous(memory_format=torch.channels_last)), None, []
+        for name in model.res_layers:
+            for block, attn in zip(getattr(model, name), getattr(model, f'{name}_attn')):
+                h, raw = kcla_step(attn, block(h), raw)
+            want.append(h)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize('method', list(METHODS) + [None])
@@ -269,10 +273,9 @@ def _grads(model, x):
 
 
 @pytest.mark.parametrize('channels_last', [True, False])
-def test_recomputed_training_path_equals_plain_autograd(channels_last, monkeypatch):
+def test_recomputed_training_path_equals_plain_autograd(channels_last):
     # the recomputed KCLA tail (hand-derived backward) and the recomputed block
     # inputs give the gradients and BN statistics of plain autograd
-    import kcla_mm.ops.kcla as kmod
     torch.manual_seed(0)
     model = tiny(depth=50, norm_eval=False, channels_last=channels_last).double().train()
     randomize_norms(model)
@@ -282,7 +285,9 @@ def test_recomputed_training_path_equals_plain_autograd(channels_last, monkeypat
     for recompute in (False, True):
         model.load_state_dict(init)
         model.zero_grad()
-        monkeypatch.setattr(kmod, '_recomputable', lambda norm, r=recompute: r)
+        model.recompute_attn_outputs = recompute
+        for m in model.layer_attn_modules():
+            m.recompute_tail = recompute
         results.append(_grads(model, x))
     (o0, x0, g0, b0), (o1, x1, g1, b1) = results
     for a, b in zip(o0, o1):
@@ -308,23 +313,18 @@ def _kcla_outputs_alive_after_forward(model, x):
     return alive
 
 
-def test_block_inputs_are_recomputed_not_kept(monkeypatch):
-    # eager path: the next block's saved copies of a KCLA output are
+def test_block_inputs_are_recomputed_not_kept():
+    # plain path: the next block's saved copies of a KCLA output are
     # recomputed in the backward pass: after the forward pass no KCLA output
     # is alive (the returned stage output is a NCHW copy);
-    # recompute_attn_outputs=False keeps all of them, as does the backbone
-    # without the hooks (all but the last one, which nothing saves)
-    import kcla_mm.models.backbones.kcla_resnet as bmod
-    import kcla_mm.ops.kcla as kmod
-    monkeypatch.setattr(kmod, 'FUSED_TRAINING', False)
+    # recompute_attn_outputs=False keeps all of them (all but the last one,
+    # which nothing saves)
     model = tiny(depth=50, channels_last=True, norm_eval=False).train()
     x = torch.rand(2, 3, 64, 64)
-    assert _kcla_outputs_alive_after_forward(model, x) == [False] * 16
-    model.recompute_attn_outputs = False
-    assert _kcla_outputs_alive_after_forward(model, x) == [True] * 15 + [False]
-    model.recompute_attn_outputs = True
-    monkeypatch.setattr(bmod, 'saved_output_hooks', lambda y: contextlib.nullcontext())
-    assert _kcla_outputs_alive_after_forward(model, x) == [True] * 15 + [False]
+    with ops.fused_kernels(False):
+        assert _kcla_outputs_alive_after_forward(model, x) == [False] * 16
+        model.recompute_attn_outputs = False
+        assert _kcla_outputs_alive_after_forward(model, x) == [True] * 15 + [False]
 
 
 def test_fused_training_keeps_the_outputs_of_steps_with_a_state():
@@ -333,8 +333,8 @@ def test_fused_training_keeps_the_outputs_of_steps_with_a_state():
     # outputs); the first step keeps its input, its state, and its output is
     # recomputed, unless recompute_attn_outputs=False. (The last output's data
     # is kept by its own node, which keeps no reference to the tensor object.)
-    from kcla_mm.ops import cpu_kernels
-    if not cpu_kernels.available():
+    build = pytest.importorskip('kcla_mm.ops.fused.build')
+    if not build.available():
         pytest.skip('the fused CPU kernels are not built here')
     model = tiny(depth=50, channels_last=True, norm_eval=False).train()
     x = torch.rand(2, 3, 64, 64)
@@ -422,30 +422,29 @@ def test_backbone_compiles_without_graph_breaks_in_training():
         torch.testing.assert_close(got[2][name], ref[2][n], msg=n)
 
 
-def test_inference_reuses_state_memory_without_changing_values(monkeypatch):
+@pytest.mark.parametrize('fused', [True, False])
+def test_inference_reuses_state_memory_without_changing_values(fused):
     # in inference the backbone lets each KCLA step overwrite the previous
-    # state's map; the outputs equal those of the allocating path, and the
-    # operator leaves a caller's state alone unless asked
+    # state's map (reuse_state): the outputs equal the step-by-step
+    # computation without reuse, and the operator leaves a caller's state
+    # alone unless asked
     torch.manual_seed(0)
     model = tiny(depth=50, channels_last=True).eval()
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
-    with torch.no_grad():
+    with ops.fused_kernels(fused), torch.no_grad():
         got = model(x)
-        monkeypatch.setattr(KCLA, 'forward', lambda self, x, state=None, **reuse:
-                            _KCLA_FORWARD(self, x, state))
-        want = model(x)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    layer = model.layer1_attn[1]
-    xs = torch.rand(2, 32, 16, 16)
-    _, state = model.layer1_attn[0](xs)
-    before = state.mean.clone()
-    with torch.no_grad():
-        _KCLA_FORWARD(layer, torch.rand(2, 32, 16, 16), state)
+        h, state = model._stem(x.contiguous(memory_format=torch.channels_last)), None
+        for name in model.res_layers:
+            for block, attn in zip(getattr(model, name), getattr(model, f'{name}_attn')):
+                h, state = attn(block(h), state)
+        torch.testing.assert_close(got[-1], h.contiguous(), rtol=0, atol=0)
+        layer = model.layer1_attn[1]
+        xs = torch.rand(2, 32, 16, 16).contiguous(memory_format=torch.channels_last)
+        _, state = model.layer1_attn[0](xs)
+        state = type(state)(state.mean.clone(), state.log_z)
+        before = state.mean.clone()
+        layer(xs.clone(), state)
         assert torch.equal(state.mean, before)
-        _KCLA_FORWARD(layer, torch.rand(2, 32, 16, 16), state, reuse_state=True)
+        layer(xs.clone(), state, reuse_state=True)
         assert not torch.equal(state.mean, before)
-
-
-_KCLA_FORWARD = KCLA.forward

@@ -10,7 +10,9 @@ from reference_kcla import seq as reference_inv_tau
 from torch import nn
 from utils import Doubled, assert_finite, params_without_grad, randomize_norms, state_bytes
 
+import kcla_mm.ops as ops
 from kcla_mm.ops import KCLA, BlockPosition, FullLayerAttention, KCLAState
+from kcla_mm.ops.recompute import autograd_replay
 
 
 # ---------------------------------------------------------------- reference
@@ -261,12 +263,13 @@ def test_wrong_input_width():
 
 
 # ------------------------------------------------- memory-efficient training path
-def _train_step(net, xs, recompute, monkeypatch):
-    import kcla_mm.ops.kcla as kmod
-    monkeypatch.setattr(kmod, '_recomputable', lambda norm: recompute)
+def _train_step(net, xs, recompute):
     state, loss = None, 0
+    for layer in net:
+        layer.recompute_tail = recompute
     for layer, x in zip(net, xs):
-        out, state = layer(x, state)
+        with ops.fused_kernels(False):
+            out, state = layer(x, state)
         loss = loss + (out * torch.linspace(0, 1, out.numel(), dtype=out.dtype)
                        .view_as(out)).sum()
     loss.backward()
@@ -275,7 +278,7 @@ def _train_step(net, xs, recompute, monkeypatch):
         {n: b.clone() for n, b in net.named_buffers() if 'running' in n}
 
 
-def test_recomputed_tail_equals_plain_autograd(monkeypatch):
+def test_recomputed_tail_equals_plain_autograd():
     # same gradients, same BatchNorm running statistics (updated exactly once)
     torch.manual_seed(0)
     widths, depths = (16, 32), (3, 3)
@@ -286,7 +289,7 @@ def test_recomputed_tail_equals_plain_autograd(monkeypatch):
         net.load_state_dict(init)
         net.zero_grad()
         xs = [x.requires_grad_() for x in block_inputs(widths, depths)]
-        results.append(_train_step(net, xs, recompute, monkeypatch))
+        results.append(_train_step(net, xs, recompute))
     (g0, x0, b0), (g1, x1, b1) = results
     assert g0.keys() == g1.keys()
     for n in g0:
@@ -298,7 +301,7 @@ def test_recomputed_tail_equals_plain_autograd(monkeypatch):
     assert not torch.equal(b0['0.norm.running_mean'], init['0.norm.running_mean'])
 
 
-def test_drop_path_mask_is_the_same_in_recomputation(monkeypatch):
+def test_drop_path_mask_is_the_same_in_recomputation():
     torch.manual_seed(0)
     net = make_network((16, ), (3, ), head_dim=8, drop_path=0.5).double().train()
     init = {k: v.clone() for k, v in net.state_dict().items()}
@@ -308,7 +311,7 @@ def test_drop_path_mask_is_the_same_in_recomputation(monkeypatch):
         net.zero_grad()
         torch.manual_seed(1)
         xs = [x.requires_grad_() for x in block_inputs((16, ), (3, ))]
-        grads.append(_train_step(net, xs, recompute, monkeypatch)[0])
+        grads.append(_train_step(net, xs, recompute)[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
 
@@ -359,7 +362,7 @@ def test_torch_compile_fullgraph_matches_eager():
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_eval_mode_norm_parameters_learn_in_the_recomputed_tail(monkeypatch):
+def test_eval_mode_norm_parameters_learn_in_the_recomputed_tail():
     # norm_eval=True keeps the BN in eval mode while the layer trains: its
     # weight and bias must still get the gradients of the plain path
     torch.manual_seed(0)
@@ -372,21 +375,20 @@ def test_eval_mode_norm_parameters_learn_in_the_recomputed_tail(monkeypatch):
         net.load_state_dict(init)
         net.zero_grad()
         xs = [x.requires_grad_() for x in block_inputs((16, ), (3, ))]
-        grads.append(_train_step(net, xs, recompute, monkeypatch)[0])
+        grads.append(_train_step(net, xs, recompute)[0])
     assert grads[1].keys() == grads[0].keys() and '0.norm.weight' in grads[1]
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
 
 
-def test_autograd_replay_of_the_tail_equals_plain_autograd(monkeypatch):
+def test_autograd_replay_of_the_tail_equals_plain_autograd():
     # the replay through autograd (what runs under autocast, where the
     # hand-derived backward does not apply) gives the plain gradients
-    import kcla_mm.ops.kcla as kmod
-    monkeypatch.setattr(kmod, 'ANALYTIC_BACKWARD', False)
-    test_recomputed_tail_equals_plain_autograd(monkeypatch)
+    with autograd_replay():
+        test_recomputed_tail_equals_plain_autograd()
 
 
-def test_recomputed_tail_under_autocast_matches_plain_autograd(monkeypatch):
+def test_recomputed_tail_under_autocast_matches_plain_autograd():
     # bf16 autocast: same gradients up to bf16 rounding (summation order differs)
     torch.manual_seed(0)
     net = make_network((16, 32), (2, 2), head_dim=8).train()
@@ -397,7 +399,7 @@ def test_recomputed_tail_under_autocast_matches_plain_autograd(monkeypatch):
         net.zero_grad()
         xs = [x.float().requires_grad_() for x in block_inputs((16, 32), (2, 2))]
         with torch.autocast('cpu', dtype=torch.bfloat16):
-            results.append(_train_step(net, xs, recompute, monkeypatch))
+            results.append(_train_step(net, xs, recompute))
     (g0, x0, _), (g1, x1, _) = results
     for n in g0:
         cos = F.cosine_similarity(g1[n].flatten(), g0[n].flatten(), dim=0)
@@ -467,7 +469,7 @@ def test_eval_fold_of_a_parametrized_norm_is_not_kept():
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16])
 def test_global_pool_gradient_is_a_broadcast_view(dtype):
     # the gradient of the pooling is MeanBackward's, without writing a map
-    from kcla_mm.ops._common import global_pool
+    from kcla_mm.ops.common import global_pool
     x = torch.rand(2, 8, 5, 3).contiguous(memory_format=torch.channels_last)
     x = x.to(dtype).requires_grad_()
     p = global_pool(x)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kcla_mm.analysis.benchmark as bench
+import kcla_mm.ops as ops
 from kcla_mm.analysis.benchmark import (THP_ENV, TUNED_ALLOCATOR_ENV, Candidate, LiveTensorBytes,
                                         Result, Setting, build_backbone, markdown_table,
                                         num_blocks, peak_train_memory, round_ratio_table,
@@ -214,18 +215,20 @@ def test_peak_train_memory_grows_with_the_saved_history():
 
 
 @pytest.mark.parametrize('fused', [False, True])
-def test_kept_attn_outputs_cost_at_most_one_map_per_block(fused, monkeypatch):
+def test_kept_attn_outputs_cost_at_most_one_map_per_block(fused):
     # recompute_attn_outputs=False: the next block keeps its copy of each KCLA
     # output (the benchmark's --keep-attn-outputs). On the eager path the peak
     # then holds at most one more map per block but the last, and at least
     # stage 1's three, which the backward pass frees last; the fused CPU
     # kernels keep the outputs of the steps with a state anyway, so there it
     # costs the first block's output only. The other methods recompute nothing
-    import kcla_mm.ops.kcla as kmod
-    from kcla_mm.ops import cpu_kernels
-    if fused and not cpu_kernels.available():
+    if fused and not _fused_kernels_built():
         pytest.skip('the fused CPU kernels are not built here')
-    monkeypatch.setattr(kmod, 'FUSED_TRAINING', fused)
+    with ops.fused_kernels(fused):
+        _check_kept_attn_outputs(fused)
+
+
+def _check_kept_attn_outputs(fused):
     x = torch.rand(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
     mem = {keep: peak_train_memory(build_backbone('imagenet', 50, 'KCLA', tiny=True,
                                                   channels_last=True,
@@ -528,7 +531,7 @@ def _ops_tool():
 
 
 def test_ops_benchmark_renames_only_the_op_namespace():
-    from kcla_mm.ops.cpu_kernels import renamespaced
+    renamespaced = pytest.importorskip('kcla_mm.ops.fused.build').renamespaced
     src = ('TORCH_LIBRARY(kcla_mm, m) {}\nTORCH_LIBRARY_FRAGMENT(kcla_mm, m) {}\n'
            'TORCH_LIBRARY_IMPL(kcla_mm, CPU, m) {}\n// kcla_mm::eval_step stays\n')
     got = renamespaced(src, 'kcla_ab0')
@@ -537,9 +540,8 @@ def test_ops_benchmark_renames_only_the_op_namespace():
 
 
 def _needs_kernels():
-    from kcla_mm.ops import cpu_kernels
-    if not cpu_kernels.available():
-        pytest.skip(f'fused CPU kernels not built: {cpu_kernels.build_error()}')
+    if not _fused_kernels_built():
+        pytest.skip('fused CPU kernels not built')
 
 
 def test_ops_benchmark_times_every_op_of_the_installed_build(capsys):
@@ -672,3 +674,11 @@ def test_ops_benchmark_builds_another_source_tree_side_by_side(tmp_path):
     with pytest.raises(SystemExit, match='train_apply differs'):
         ops_tool.main(['--against', str(bad), '--batch', '1', '--size', '32', '--rounds', '1',
                        '--threads', '1', '--ops', 'train_apply'])
+
+
+def _fused_kernels_built() -> bool:
+    try:
+        from kcla_mm.ops.fused import build
+    except ImportError:
+        return False
+    return build.available()

@@ -19,7 +19,7 @@ STAGES = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}
 
 
 def reference_state_dict(depth: int, head_dim: int = 64):
-    """A synthetic reference checkpoint laid out exactly as spec section 8."""
+    """A synthetic reference checkpoint laid out exactly as docs/method.md, section 8."""
     host = KCLAResNet(depth=depth, layer_attn=None).state_dict()
     sd = {}
     for k, v in host.items():

@@ -21,7 +21,7 @@ import torch
 
 from kcla_mm.analysis.benchmark import allocator_description, restart_with_tuned_allocator
 from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
-from kcla_mm.ops import cpu_kernels
+from kcla_mm.ops.fused import build as cpu_kernels
 
 
 def main() -> None:

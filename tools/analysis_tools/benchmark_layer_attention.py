@@ -65,13 +65,20 @@ from kcla_mm.analysis.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, 
                                cpu_name, dump_results, load_results, markdown_table, plot,
                                pooled_ratio_table, restart_with_tuned_allocator, round_ratio_table,
                                run)
-from kcla_mm.ops import cpu_kernels
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
              repeats=1, warmup=0, threads=1, inner=1)
 FULL = dict(depths=list(IMAGENET_DEPTHS), cifar_depths=list(CIFAR_DEPTHS), batch=4, size=224,
             cifar_batch=16, cifar_size=32, repeats=5, warmup=1, threads=None, inner=3)
 
+
+
+def _fused_kernels_available() -> bool:
+    try:
+        from kcla_mm.ops.fused import build
+    except ImportError:  # the fast paths are optional
+        return False
+    return build.available()
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     doc = __doc__.split('\n\n')
@@ -326,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
             'and, at the init layers, adapt_* ops); each block\'s last BatchNorms (host ops), '
             'add and ReLU with the pool in one pass (residual_bn_relu_pool_, block_end_*; the '
             'plain ResNet runs them as torch ops)' if device.type == 'cpu'
-            and cpu_kernels.available() else 'eager ops'),
+            and _fused_kernels_available() else 'eager ops'),
     ]
     for line in header:
         print(line)

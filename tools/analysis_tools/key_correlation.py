@@ -1,7 +1,7 @@
 """Cosine similarity of the layer-attention keys of all blocks of a backbone.
 
 KCLA rests on the observation that the keys ``k_t = Wk(GAP(x_t))`` of
-different blocks are nearly collinear (spec section 3). This tool runs the
+different blocks are nearly collinear (``docs/method.md``, section 3). This tool runs the
 backbone of a config (with a checkpoint, or at its initialisation) on images,
 collects every block's key per head and writes:
 

@@ -16,7 +16,7 @@ import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from torch import Tensor, nn
 
-from ...ops import (KCLA, BlockPosition, build_layer_attn, residual_norm_relu_pool_,
+from ...ops import (BlockPosition, build_layer_attn, get_layer_attn_class, residual_end,
                     saved_output_hooks)
 
 DEFAULT_LAYER_ATTN: Mapping = MappingProxyType({'type': 'KCLA'})
@@ -29,6 +29,27 @@ def _as_tuple(value, name: str) -> Tuple[int, ...]:
         return tuple(int(v) for v in value)
     except TypeError:
         raise ValueError(f'{name} must be an int or a sequence of ints, got {name}={value!r}')
+
+
+def _as_seq(value, name: str) -> tuple:
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f'{name} must be a sequence with one entry per stage, '
+                         f'got {name}={value!r}')
+
+
+def _layer_attn_cfg(layer_attn) -> Optional[dict]:
+    """``layer_attn`` as a config dict: a type name is ``dict(type=name)``."""
+    if layer_attn is None:
+        return None
+    if isinstance(layer_attn, str):
+        get_layer_attn_class(layer_attn)  # names the choices if unknown
+        return dict(type=layer_attn)
+    if not isinstance(layer_attn, Mapping) or 'type' not in layer_attn:
+        raise ValueError("layer_attn must be None, a type name such as 'KCLA', or a dict with "
+                         f"a 'type', got layer_attn={layer_attn!r}")
+    return dict(layer_attn)
 
 
 def _check_finite(x: Tensor, name: str) -> None:
@@ -69,18 +90,44 @@ def _to_nchw(x: Tensor) -> Tensor:
     return x.contiguous()
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether a forward hook could hold on to ``module``'s output."""
-    return bool(module._forward_hooks or nn.modules.module._global_forward_hooks)
+class BasicBlockEnd:
+    """A host ``BasicBlock`` whose forward ends in :meth:`end` (put it first in the MRO).
+
+    The same modules, called in the host's order, with the same values; only
+    the last norm, the add and the ReLU go through
+    :func:`kcla_mm.ops.residual_end`, where a fast path may fuse them. With
+    ``with_cp`` the host's forward runs.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.with_cp and x.requires_grad:
+            return super().forward(x)
+        out = self.relu(self.norm1(self.conv1(x)))
+        return self.end(self.conv2(out), x)
+
+    def end(self, out: Tensor, x: Tensor) -> Tensor:
+        """``relu(norm2(out) + shortcut(x))``: the block's end, given its last conv's output."""
+        identity = x if self.downsample is None else self.downsample(x)
+        return residual_end(out, identity, self.norm2, producer=self.conv2)
 
 
-def _any_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run a hook of its own or a global one."""
-    m = nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or m._global_forward_hooks
-                or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
+class BottleneckEnd:
+    """A host ``Bottleneck`` whose forward ends in :meth:`end` (put it first in the MRO).
+
+    As :class:`BasicBlockEnd`; with plugins or ``with_cp`` the host's forward runs.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.with_plugins or (self.with_cp and x.requires_grad):
+            return super().forward(x)
+        out = self.relu(self.norm1(self.conv1(x)))
+        out = self.relu(self.norm2(self.conv2(out)))
+        return self.end(self.conv3(out), x)
+
+    def end(self, out: Tensor, x: Tensor) -> Tensor:
+        """``relu(norm3(out) + shortcut(x))``: the block's end, given its last conv's output."""
+        identity = x if self.downsample is None else self.downsample(x)
+        return residual_end(out, identity, self.norm3, producer=self.conv3)
 
 
 class KCLAResNetMixin:
@@ -89,8 +136,9 @@ class KCLAResNetMixin:
     Args:
         depth: 18, 34 (BasicBlock), 50, 101 or 152 (Bottleneck).
         layer_attn: the layer-attention method of every block,
-            ``dict(type='KCLA' | 'FullLayerAttention' | 'MRLALight', **kwargs)``,
-            or ``None`` for exactly the host ResNet. Keyword arguments go to the
+            ``dict(type='KCLA' | 'FullLayerAttention' | 'MRLALight', **kwargs)``
+            or just the type name (``'KCLA'``), or ``None`` for exactly the
+            host ResNet. Keyword arguments go to the
             operator (e.g. ``drop_path``, ``temperature_range``, ``clamp``,
             ``renorm_blocks`` for KCLA).
         head_dim: channels per head; default 64 for Bottleneck depths and 16
@@ -120,10 +168,10 @@ class KCLAResNetMixin:
         **kwargs: the host ResNet's arguments, with their host semantics.
     """
 
-    #: the host's residual blocks whose forward :meth:`_block` may replay,
-    #: ``{host forward function: 'bottleneck' | 'basic'}`` (set by the host
-    #: subclasses; empty: always the host's forward)
-    replayable_blocks: Mapping = MappingProxyType({})
+    #: ``{host block class: its subclass ending in ``end``}`` (set by the host
+    #: subclasses): the blocks of a layer-attention backbone; a plain one
+    #: (``layer_attn=None``) keeps the host's blocks
+    attn_blocks: Mapping = MappingProxyType({})
 
     def __init__(self,
                  depth: int,
@@ -137,7 +185,7 @@ class KCLAResNetMixin:
             raise ValueError('recompute_attn_outputs must be True or False, got '
                              f'recompute_attn_outputs={recompute_attn_outputs!r}')
         self.recompute_attn_outputs = recompute_attn_outputs
-        self.layer_attn_cfg = None if layer_attn is None else dict(layer_attn)
+        self.layer_attn_cfg = _layer_attn_cfg(layer_attn)
         self.channels_last = (layer_attn is not None) if channels_last is None \
             else bool(channels_last)
         self.layer_attn_names = []
@@ -167,6 +215,11 @@ class KCLAResNetMixin:
         if bad:
             raise ValueError(f'out_indices={out_indices} has {bad} out of range for '
                              f'num_stages={num_stages} (valid: 0..{num_stages - 1})')
+        for name in ('strides', 'dilations', 'stage_with_dcn'):
+            value = kwargs.get(name)
+            if value is not None and len(_as_seq(value, name)) != num_stages:
+                raise ValueError(f'{name}={tuple(value)!r} must have one entry per stage: '
+                                 f'num_stages={num_stages} entries, got {len(value)}')
         frozen = kwargs.get('frozen_stages', -1)
         if not -1 <= frozen <= num_stages:
             raise ValueError(f'frozen_stages must be in [-1, {num_stages}], '
@@ -264,66 +317,18 @@ class KCLAResNetMixin:
             x = self.relu(self.norm1(self.conv1(x)))
         return self.maxpool(x)
 
-    def _block(self, block: nn.Module, attn: nn.Module,
-               x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-        """``(block(x), its global average pool or None)``.
+    def make_res_layer(self, **kwargs) -> nn.Module:
+        """The host's stage, of :attr:`attn_blocks` where layer attention is used."""
+        if self.layer_attn_cfg is not None:
+            kwargs['block'] = self.attn_blocks.get(kwargs['block'], kwargs['block'])
+        return super().make_res_layer(**kwargs)
 
-        KCLA's fused kernels pool every block output, a pass over the map of
-        their own. For the host's own Bottleneck and BasicBlock (no plugins,
-        no hooks, no checkpointing, forward not overridden), where a fused
-        kernel computes the KCLA step (eager inference, or training with
-        autograd), this calls the block's modules in the host's order, and
-        its final residual add and in-place ReLU are
-        :func:`kcla_mm.ops.residual_relu_pool_`, which also pools, in one
-        pass where its kernel applies; the block's last norm and its
-        shortcut's are passed on to
-        :func:`kcla_mm.ops.residual_norm_relu_pool_`, which applies
-        BatchNorms in that pass too. Elsewhere the host's forward runs.
-        """
-        if (torch.compiler.is_compiling() or torch.jit.is_tracing()
-                or not isinstance(attn, KCLA) or attn.training != torch.is_grad_enabled()):
-            return block(x), None  # (the kernels compute eval without, training with autograd)
-        kind = self.replayable_blocks.get(getattr(type(block), 'forward', None))
-        if (kind is None or 'forward' in vars(block) or getattr(block, 'with_plugins', False)
-                or getattr(block, 'with_cp', False) or type(block.relu) is not nn.ReLU
-                or _any_hooks(block) or _any_hooks(block.relu)):
-            return block(x), None
-        identity = x
-        out = block.relu(block.norm1(block.conv1(x)))
-        if kind == 'bottleneck':
-            out = block.relu(block.norm2(block.conv2(out)))
-            conv, norm = block.conv3, block.norm3
-        else:
-            conv, norm = block.conv2, block.norm2
-        out = conv(out)
-        # the last norms may be applied by the fused end of the block (plain
-        # BatchNorms; the module calls they skip must not be hooked, and in
-        # inference, where the convolution's output is overwritten, no hook
-        # may hold it), else they run here
-        if _any_hooks(norm) or (_hooked(conv) and not torch.is_grad_enabled()):
-            out, norm = norm(out), None
-        res_norm = None
-        if block.downsample is not None:
-            ds = block.downsample
-            if (type(ds) is nn.Sequential and len(ds) > 1 and not _any_hooks(ds)
-                    and not _any_hooks(ds[-1])):
-                for m in list(ds)[:-1]:
-                    identity = m(identity)
-                res_norm = ds[-1]
-            else:
-                identity = ds(x)
-        return residual_norm_relu_pool_(out, identity, norm, res_norm)
-
-    def _attend(self, attn: nn.Module, x: Tensor, state, block: nn.Module,
-                pooled: Optional[Tensor] = None):
+    def _attend(self, attn: nn.Module, x: Tensor, state):
         if self.with_cp and x.requires_grad:
             return cp.checkpoint(attn, x, state, use_reentrant=False)
-        if isinstance(attn, KCLA) and not torch.is_grad_enabled():
-            # the backbone owns the states: the new one may take the old one's
-            # memory; and the block output, unless a forward hook may have kept it
-            return attn(x, state, reuse_state=True, reuse_input=not _hooked(block),
-                        pooled=pooled)
-        return attn(x, state) if pooled is None else attn(x, state, pooled=pooled)
+        # without autograd the backbone owns the states: the new one may take
+        # the old one's memory
+        return attn(x, state, reuse_state=not torch.is_grad_enabled())
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
         """Per-stage outputs for ``out_indices``; ``[B, C_s, H/2^(s+2), W/2^(s+2)]``.
@@ -342,14 +347,15 @@ class KCLAResNetMixin:
         x = self._stem(x)
         state = None
         outs = []
+        recompute = self.recompute_attn_outputs and not self.with_cp
         for i, name in enumerate(self.res_layers):
             for block, attn in zip(getattr(self, name), getattr(self, f'{name}_attn')):
-                # the block's saved copies of x (a KCLA output) are recomputed
-                # in the backward pass instead of kept (no-op where inapplicable)
-                recompute = self.recompute_attn_outputs and not self.with_cp
+                # the block's saved copies of x (an attention output) are
+                # recomputed in the backward pass instead of kept (where the
+                # operator can recompute them)
                 with saved_output_hooks(x) if recompute else nullcontext():
-                    x, pooled = self._block(block, attn, x)
-                x, state = self._attend(attn, x, state, block, pooled)
+                    x = block(x)
+                x, state = self._attend(attn, x, state)
             if i in self.out_indices:
                 # NOTE: outputs leave NCHW-contiguous: mmcv's RoIAlign reads its
                 # input as NCHW and silently returns scrambled features for a

@@ -3,7 +3,15 @@ from types import MappingProxyType
 
 from mmdet.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
 
-from .kcla_resnet import KCLAResNetMixin
+from .kcla_resnet import BasicBlockEnd, BottleneckEnd, KCLAResNetMixin
+
+
+class KCLABasicBlock(BasicBlockEnd, BasicBlock):
+    """mmdet's ``BasicBlock`` ending in :meth:`end` (the same modules and values)."""
+
+
+class KCLABottleneck(BottleneckEnd, Bottleneck):
+    """mmdet's ``Bottleneck`` ending in :meth:`end` (the same modules and values)."""
 
 
 class KCLAResNet(KCLAResNetMixin, ResNet):
@@ -25,5 +33,4 @@ class KCLAResNet(KCLAResNetMixin, ResNet):
         (1, 128, 2, 2)
     """
 
-    replayable_blocks = MappingProxyType({BasicBlock.forward: 'basic',
-                                          Bottleneck.forward: 'bottleneck'})
+    attn_blocks = MappingProxyType({BasicBlock: KCLABasicBlock, Bottleneck: KCLABottleneck})

@@ -3,7 +3,15 @@ from types import MappingProxyType
 
 from mmseg.models.backbones.resnet import BasicBlock, Bottleneck, ResNet
 
-from .kcla_resnet import KCLAResNetMixin
+from .kcla_resnet import BasicBlockEnd, BottleneckEnd, KCLAResNetMixin
+
+
+class KCLABasicBlock(BasicBlockEnd, BasicBlock):
+    """mmseg's ``BasicBlock`` ending in :meth:`end` (the same modules and values)."""
+
+
+class KCLABottleneck(BottleneckEnd, Bottleneck):
+    """mmseg's ``Bottleneck`` ending in :meth:`end` (the same modules and values)."""
 
 
 class KCLAResNetSeg(KCLAResNetMixin, ResNet):
@@ -28,5 +36,4 @@ class KCLAResNetSeg(KCLAResNetMixin, ResNet):
         (1, 128, 8, 8)
     """
 
-    replayable_blocks = MappingProxyType({BasicBlock.forward: 'basic',
-                                          Bottleneck.forward: 'bottleneck'})
+    attn_blocks = MappingProxyType({BasicBlock: KCLABasicBlock, Bottleneck: KCLABottleneck})

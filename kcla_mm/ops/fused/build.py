@@ -1,4 +1,4 @@
-"""Optional fused CPU kernels for KCLA, built on first use.
+"""Building the fused CPU kernels of KCLA (``torch.ops.kcla_mm``), on first use.
 
 - ``csrc/kcla_eval_cpu.cpp`` does a whole KCLA step in eval mode (pooling, the
   per-head math, the state update, the depthwise value convolution, the folded
@@ -19,15 +19,16 @@
   (``block_end_forward``/``block_end_backward``: its last BatchNorm and its
   shortcut's, the add, the ReLU and the pool; one pass after each norm's
   statistics forward, two backward); the autograd side is
-  :mod:`kcla_mm.ops.fused_tail_cpu`.
+  :mod:`kcla_mm.ops.fused.cpu_autograd`.
 
 Both are compiled with :func:`torch.utils.cpp_extension.load` (needs a C++
 compiler and ``ninja``, which ``tools/setup_env.sh`` installs) into torch's
 extension cache, once per machine type, as one library.
 
-Where it cannot be built the eager path runs, after one warning. Environment:
+Where it cannot be built the plain path runs, after one warning. Environment:
 
-- ``KCLA_MM_CPU_KERNELS=0``: never build or use the kernels.
+- ``KCLA_MM_CPU_KERNELS=0``: never build or use the kernels (the default of
+  :func:`kcla_mm.ops.set_fused_kernels`).
 - ``KCLA_MM_CPU_KERNELS=require``: a failed build raises instead of warning
   (CI uses this, so a broken build cannot hide behind the fallback).
 - ``KCLA_MM_CPU_STAGE_ROWS=1`` / ``0``: whether ``eval_step`` copies the rows
@@ -35,7 +36,7 @@ Where it cannot be built the eager path runs, after one warning. Environment:
   12 ways; see ``stage_rows`` in ``csrc/kcla_cpu.h``). The numbers are the
   same either way; the tests use it to check that.
 
-Build ahead of time (e.g. in a Docker image): ``python -m kcla_mm.ops.cpu_kernels``.
+Build ahead of time (e.g. in a Docker image): ``python -m kcla_mm.ops.fused.build``.
 """
 import hashlib
 import os
@@ -47,6 +48,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+
+from ..config import ENV, use_fused_kernels
 
 _CSRC = Path(__file__).with_name('csrc')
 _SOURCES = (_CSRC / 'kcla_eval_cpu.cpp', _CSRC / 'kcla_train_cpu.cpp')
@@ -63,12 +66,12 @@ _STATE: dict = {}  # 'ok': bool once tried, 'error': the build error
 
 
 def _mode() -> str:
-    return os.environ.get('KCLA_MM_CPU_KERNELS', '1').strip().lower()
+    return os.environ.get(ENV, '1').strip().lower()
 
 
 def enabled() -> bool:
-    """Whether the kernels may be used at all (``KCLA_MM_CPU_KERNELS`` is not ``0``)."""
-    return _mode() not in ('0', 'false', 'off', 'no')
+    """Whether the kernels may be used at all (:func:`kcla_mm.ops.use_fused_kernels`)."""
+    return use_fused_kernels()
 
 
 def _cpu_tag() -> str:
@@ -156,7 +159,7 @@ def build_variant(csrc: Path, workdir: Path, prefix: str,
     ``getattr(torch.ops, namespace)``.
 
     Args:
-        csrc: a folder of kernel sources, as ``kcla_mm/ops/csrc``.
+        csrc: a folder of kernel sources, as ``kcla_mm/ops/fused/csrc``.
         workdir: where the renamed sources are written.
         prefix: the namespace's start (a C++ identifier).
         flags: the C++ flags; default :func:`compile_flags`.
@@ -167,7 +170,7 @@ def build_variant(csrc: Path, workdir: Path, prefix: str,
     csrc = Path(csrc)
     sources = sorted(csrc.glob('*.cpp'))
     if not sources:
-        raise FileNotFoundError(f'{csrc}: no .cpp files there (expected a kcla_mm/ops/csrc)')
+        raise FileNotFoundError(f'{csrc}: no .cpp files there (expected a kcla_mm/ops/fused/csrc)')
     flags = list(compile_flags() if flags is None else flags)
     digest = hashlib.sha1(b''.join(p.read_bytes() for p in sorted(csrc.iterdir()) if p.is_file())
                           + ' '.join(flags).encode()).hexdigest()[:10]

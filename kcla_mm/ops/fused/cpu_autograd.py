@@ -1,4 +1,4 @@
-"""The training step of KCLA by the fused CPU kernels (pure torch + torch.ops).
+"""Autograd functions of the fused CPU kernels: the training step, the adaptation, the block end.
 
 :class:`FusedStep` computes :meth:`kcla_mm.ops.KCLA.forward` in training as one
 autograd node: the pooling and the per-head math (``head_forward``, float64
@@ -24,14 +24,14 @@ keeps a one-bit ReLU mask instead of ``x``. So a step keeps no feature map
 beyond its state, and none is recomputed. The exception is the first step
 (no ``prev``), whose state is ``x`` itself: it keeps ``x``, and the output is
 recomputed by one pass where a later block saved it (see
-:func:`kcla_mm.ops.kcla.saved_output_hooks`).
+:func:`kcla_mm.ops.recompute.saved_output_hooks`).
 
 Each direction is one call from Python: ``step_forward`` and ``step_backward``
 chain those ops in C++ (a test checks them against the ops called one by one,
 bit for bit), which saves the dispatcher and the small ATen ops between them.
 
 :class:`FusedAdapt` does an init layer's adaptation of the incoming state
-(``norm_u(adjust(mean))`` and its pool, spec section 5) in two passes each way
+(``norm_u(adjust(mean))`` and its pool, ``docs/method.md`` section 5) in two passes each way
 (``adapt_forward``/``adapt_backward``). :class:`BlockEnd` does a residual
 block's end, its last BatchNorm and its shortcut's, the add, the ReLU and
 the pool (host ops, where :class:`ResidualReluPool` does the last three):
@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from ._common import member
+from ..common import member
 
 CL = torch.channels_last
 
@@ -65,13 +65,13 @@ def applicable(norm: nn.Module, x: Tensor, prev: Optional[Tensor], wv_weight: Te
             or not x.is_contiguous(memory_format=CL) or wv_weight.dtype != torch.float32
             or _cpu_autocast()):
         return False
-    if not _plain_batchnorm(norm) or (norm.training and x.shape[0] * x.shape[2] * x.shape[3] < 2):
+    if not plain_batchnorm(norm) or (norm.training and x.shape[0] * x.shape[2] * x.shape[3] < 2):
         return False
     return prev is None or (prev.dtype == torch.float32 and prev.shape == x.shape
                             and prev.stride() == x.stride())
 
 
-def _plain_batchnorm(norm: nn.Module) -> bool:
+def plain_batchnorm(norm: nn.Module) -> bool:
     """A ``BatchNorm2d`` itself (no subclass), affine, with running statistics, in float32."""
     if type(norm) is not nn.BatchNorm2d or not norm.affine:
         return False
@@ -141,6 +141,9 @@ class FusedStep(torch.autograd.Function):
         # is taken as out - keep relu(o) - prev in the backward pass); the
         # first step keeps x, its state, and out is recomputed where saved
         ctx.keeps_output = prev is not None
+        # the protocol of kcla_mm.ops.recompute.saved_output_hooks: how to
+        # recompute the output where a later block saved a copy of it
+        ctx.kcla_recompute_output = None if ctx.keeps_output else recompute_output
         ctx.save_for_backward(out if ctx.keeps_output else x, prev, mean, wv_weight, p, log_z,
                               wq, wk, phi)
         return out, mean, log_z_new
@@ -187,7 +190,7 @@ class ResidualReluPool(torch.autograd.Function):
     backward pass reads 1/32 of a map instead of one, and ``x`` need not
     outlive the forward pass (:class:`FusedStep` does not keep it either).
     CPU float32 channels-last maps of one shape
-    (:func:`kcla_mm.ops.kcla.residual_relu_pool_` checks).
+    (:func:`.cpu.residual_end` checks).
     """
 
     @staticmethod
@@ -216,7 +219,7 @@ class BlockEnd(torch.autograd.Function):
 
     Inputs: ``norm, res_norm, x, res, weight, bias, res_weight, res_bias``
     (``res_norm`` and its parameters ``None``: ``res`` added as it is). Both
-    norms plain ``BatchNorm2d`` (:func:`_plain_batchnorm`), in training or
+    norms plain ``BatchNorm2d`` (:func:`plain_batchnorm`), in training or
     eval mode (batch statistics, the running ones updated as
     ``nn.BatchNorm2d`` does, once; or the running ones). One node and one pass
     over the map after each norm's statistics pass (``block_end_forward``),
@@ -279,7 +282,7 @@ def block_end_applicable(norm: nn.Module, res_norm: Optional[nn.Module], x: Tens
     if _cpu_autocast():
         return False
     for n in (norm, res_norm):
-        if n is not None and (not _plain_batchnorm(n) or (n.training and x.shape[0] * x.shape[2]
+        if n is not None and (not plain_batchnorm(n) or (n.training and x.shape[0] * x.shape[2]
                                                           * x.shape[3] < 2)):
             return False
     return True
@@ -302,7 +305,7 @@ def adapt_applicable(layer: nn.Module, m: Tensor) -> bool:
             or adjust.stride[0] != adjust.stride[1] or adjust.weight.dtype != torch.float32
             or adjust.padding_mode != 'zeros' or m.shape[1] != adjust.in_channels):
         return False
-    if not _plain_batchnorm(norm):
+    if not plain_batchnorm(norm):
         return False
     s = adjust.stride[0]
     return not norm.training or m.shape[0] * ((m.shape[2] - 1) // s + 1) * (
@@ -314,7 +317,7 @@ class FusedAdapt(torch.autograd.Function):
 
     Inputs: ``layer, m, w, weight, bias`` (the incoming state's mean, the
     ``adjust`` weight, ``norm_u``'s affine parameters). ``ubar =
-    norm_u(adjust(m))`` (spec section 5; BatchNorm with batch statistics in
+    norm_u(adjust(m))`` (``docs/method.md`` section 5; BatchNorm with batch statistics in
     training mode, updating the running ones as ``nn.BatchNorm2d`` does, once)
     and its global average pool ``[B, C]``, which the re-keying reads. One node
     and two passes each way (``adapt_forward``, ``adapt_backward``) for

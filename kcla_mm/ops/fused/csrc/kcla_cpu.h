@@ -786,4 +786,84 @@ inline std::pair<int64_t, int64_t> bands_of(int64_t B, int64_t H) {
   return {band_h, (H + band_h - 1) / band_h};
 }
 
+// -- the per-head math of a step ([B, C] vectors, double precision) --
+//   q, k = ECA(p); |k|; logit = min(|k| tau, clamp)
+//   log z' = logaddexp(log z, logit); beta = exp(logit - log z')  (with a state)
+//   gate = sigmoid(Phi(<q, k> / max(|k|, 1e-12))); shrink = sigmoid(log z' - log eps)
+// (docs/method.md section 4, steps 1, 2, 3 and 5, in the form of
+// kcla_mm/ops/kcla.py: KCLA.keys, logits, _merge, gate). The eval step and the
+// training step (head_forward, head_backward) both run it.
+struct HeadMath {
+  int64_t B, C, G, D, K, pad;
+  const float *p, *lz0, *wq, *wk, *phi;  // p: the pooled map [B, C]; lz0: log z [B, G] or null
+  const double* tau;
+  double clamp, log_eps;
+  // per sample: q, k [C]; per head: |k|, raw logit, log z', beta, shrink,
+  // <q, k>, max(|k|, 1e-12), h, gate
+  std::vector<double> q, k, kn, raw, lz, bt, shr, qk, knc, h, gate;
+
+  HeadMath(int64_t B_, int64_t C_, int64_t G_, int64_t K_, const float* p_, const float* lz0_,
+           const float* wq_, const float* wk_, const double* tau_, const float* phi_,
+           double clamp_, double eps)
+      : B(B_), C(C_), G(G_), D(C_ / G_), K(K_), pad((K_ - 1) / 2), p(p_), lz0(lz0_), wq(wq_),
+        wk(wk_), phi(phi_), tau(tau_), clamp(clamp_), log_eps(std::log(eps)), q(C_), k(C_),
+        kn(G_), raw(G_), lz(G_), bt(G_), shr(G_), qk(G_), knc(G_), h(G_), gate(G_),
+        padded_(C_ + 2 * ((K_ - 1) / 2), 0.0) {}
+
+  static double logaddexp(double a, double b) {
+    const double m = std::max(a, b);
+    if (std::isinf(m) && m < 0) return m;
+    return m + std::log1p(std::exp(-std::abs(a - b)));
+  }
+
+  void run(int64_t b) {
+    // the ECA cross-correlations over p zero-padded by the half-width, taps
+    // outermost (vectorises; for each channel the sum runs over the taps in order)
+    double* pp = padded_.data() + pad;
+    for (int64_t c = 0; c < C; ++c) pp[c] = p[b * C + c];  // the float32 pool, like torch
+    double* __restrict__ qp = q.data();
+    double* __restrict__ kp = k.data();
+    std::fill(qp, qp + C, 0.0);
+    std::fill(kp, kp + C, 0.0);
+    for (int64_t j = 0; j < K; ++j) {
+      const double cq = wq[j], ck = wk[j];
+      const double* __restrict__ src = pp + j - pad;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) {
+        qp[c] += cq * src[c];
+        kp[c] += ck * src[c];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      double kk = 0, s = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        kk += k[g * D + d] * k[g * D + d];
+        s += q[g * D + d] * k[g * D + d];
+      }
+      kn[g] = std::sqrt(kk);
+      qk[g] = s;
+      knc[g] = std::max(kn[g], 1e-12);
+      h[g] = s / knc[g];
+      raw[g] = kn[g] * static_cast<float>(tau[g]);  // the float32 temperatures, like torch
+      const double logit = clamp > 0 ? std::min(raw[g], clamp) : raw[g];
+      if (lz0) {
+        lz[g] = logaddexp(lz0[b * G + g], logit);
+        bt[g] = std::exp(logit - lz[g]);
+      } else {
+        lz[g] = logit;
+        bt[g] = 1.0;
+      }
+      shr[g] = 1.0 / (1.0 + std::exp(-(lz[g] - log_eps)));  // z / (z + eps)
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      double s = 0;
+      for (int64_t j = 0; j < G; ++j) s += phi[g * G + j] * h[j];
+      gate[g] = 1.0 / (1.0 + std::exp(-s));
+    }
+  }
+
+ private:
+  std::vector<double> padded_;
+};
+
 }  // namespace kcla_cpu

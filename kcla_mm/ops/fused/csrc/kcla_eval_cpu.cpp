@@ -150,14 +150,6 @@ at::Tensor relu_pool_backward(const at::Tensor& gx, const c10::optional<at::Tens
   return g;
 }
 
-double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-
-double logaddexp(double a, double b) {
-  const double m = std::max(a, b);
-  if (std::isinf(m) && m < 0) return m;
-  return m + std::log1p(std::exp(-std::abs(a - b)));
-}
-
 // Returns (out, new mean, new log z [B, G] float32).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
     at::Tensor x, const c10::optional<at::Tensor>& prev_opt,
@@ -285,53 +277,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eval_step(
   // -- the per-head math, double precision --
   at::Tensor log_z_new = at::empty({B, G}, x.options());
   std::vector<float> beta(B * C), a(B * C);
-  const double log_eps = std::log(eps);
   float* lznp = log_z_new.data_ptr<float>();
-  // p zero-padded by the ECA half-width on both sides
-  std::vector<double> pp_(C + 2 * pad, 0.0), q(C), k(C), hq(G), gate(G);
-  double* p = pp_.data() + pad;
+  HeadMath hd(B, C, G, K, pooled, lzp, wqp, wkp, taup, php, clamp, eps);
   for (int64_t b = 0; b < B; ++b) {
-    // the eager path pools in float32: pooled is rounded like it
-    for (int64_t c = 0; c < C; ++c) p[c] = pooled[b * C + c];
-    double* __restrict__ qp = q.data();
-    double* __restrict__ kp = k.data();
-    std::fill(qp, qp + C, 0.0);
-    std::fill(kp, kp + C, 0.0);
-    for (int64_t j = 0; j < K; ++j) {  // cross-correlation, taps outermost (vectorises)
-      const double cq = wqp[j], ck = wkp[j];
-      const double* __restrict__ src = p + j - pad;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) {
-        qp[c] += cq * src[c];
-        kp[c] += ck * src[c];
-      }
-    }
+    hd.run(b);
     for (int64_t g = 0; g < G; ++g) {
-      double kk = 0, qk = 0;
+      lznp[b * G + g] = static_cast<float>(hd.lz[g]);
+      const double sc = hd.gate[g] * hd.shr[g];
       for (int64_t d = 0; d < D; ++d) {
-        kk += k[g * D + d] * k[g * D + d];
-        qk += q[g * D + d] * k[g * D + d];
-      }
-      const double kn = std::sqrt(kk);
-      // the eager path multiplies by the float32 temperatures
-      double logit = kn * static_cast<float>(taup[g]);
-      if (clamp > 0) logit = std::min(logit, clamp);
-      double lz = logit, bt = 1.0;
-      if (has_prev) {
-        lz = logaddexp(lzp[b * G + g], logit);
-        bt = std::exp(logit - lz);
-      }
-      lznp[b * G + g] = static_cast<float>(lz);
-      hq[g] = qk / std::max(kn, 1e-12);
-      gate[g] = sigmoid(lz - log_eps);  // z / (z + eps), times the gate below
-      for (int64_t d = 0; d < D; ++d) beta[b * C + g * D + d] = static_cast<float>(bt);
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      double s = 0;
-      for (int64_t j = 0; j < G; ++j) s += php[g * G + j] * hq[j];
-      const double sc = sigmoid(s) * gate[g];
-      for (int64_t d = 0; d < D; ++d)
+        beta[b * C + g * D + d] = static_cast<float>(hd.bt[g]);
         a[b * C + g * D + d] = static_cast<float>(sc * nsp[g * D + d]);
+      }
     }
   }
 

@@ -581,81 +581,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> train_bac
   return std::make_tuple(gx, gprev, gbeta, gwv, stats);
 }
 
-// -- the per-head math of a training step ([B, C] vectors, double precision) --
-//   q, k = ECA(p); |k|; logit = min(|k| tau, clamp)
-//   log z' = logaddexp(log z, logit); beta = exp(logit - log z')  (with a state)
-//   scale = sigmoid(Phi(<q, k> / max(|k|, 1e-12))) * sigmoid(log z' - log eps)
-// (kcla_mm/ops/kcla.py: KCLA.keys, logits, _merge, gate), and its backward.
-struct Head {
-  int64_t B, C, G, D, K, pad;
-  const float *p, *lz0, *wq, *wk, *phi;
-  const double* tau;
-  double clamp, log_eps;
-  // per sample: q, k [C]; per head: |k|, raw logit, log z', beta, shrink,
-  // <q, k>, max(|k|, 1e-12), h, gate
-  std::vector<double> q, k, kn, raw, lz, bt, shr, qk, knc, h, gate;
-  void run(int64_t b) {
-    q.assign(C, 0.0);
-    k.assign(C, 0.0);
-    const float* pb = p + b * C;
-    for (int64_t j = 0; j < K; ++j)
-      for (int64_t c = std::max<int64_t>(0, pad - j); c < std::min<int64_t>(C, C + pad - j); ++c) {
-        const double v = pb[c + j - pad];
-        q[c] += wq[j] * v;
-        k[c] += wk[j] * v;
-      }
-    for (int64_t g = 0; g < G; ++g) {
-      double kk = 0, s = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        kk += k[g * D + d] * k[g * D + d];
-        s += q[g * D + d] * k[g * D + d];
-      }
-      kn[g] = std::sqrt(kk);
-      qk[g] = s;
-      knc[g] = std::max(kn[g], 1e-12);
-      h[g] = s / knc[g];
-      raw[g] = kn[g] * static_cast<float>(tau[g]);  // the float32 temperatures
-      const double logit = clamp > 0 ? std::min(raw[g], clamp) : raw[g];
-      if (lz0) {
-        const double a = lz0[b * G + g];
-        const double m = std::max(a, logit);
-        lz[g] = m + std::log1p(std::exp(-std::abs(a - logit)));
-        bt[g] = std::exp(logit - lz[g]);
-      } else {
-        lz[g] = logit;
-        bt[g] = 1.0;
-      }
-      shr[g] = 1.0 / (1.0 + std::exp(-(lz[g] - log_eps)));
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      double s = 0;
-      for (int64_t j = 0; j < G; ++j) s += phi[g * G + j] * h[j];
-      gate[g] = 1.0 / (1.0 + std::exp(-s));
-    }
-  }
-};
+// -- the per-head math of a training step: HeadMath (kcla_cpu.h) and its backward --
 
-Head make_head(const char* op, const at::Tensor& p, const c10::optional<at::Tensor>& lz_opt,
-               const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& inv_tau,
-               const at::Tensor& phi, double clamp, double eps) {
+HeadMath make_head(const char* op, const at::Tensor& p, const c10::optional<at::Tensor>& lz_opt,
+                   const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& inv_tau,
+                   const at::Tensor& phi, double clamp, double eps) {
   TORCH_CHECK(p.dim() == 2, "kcla_mm ", op, ": p must be [B, C], got ", p.sizes());
-  Head hd;
-  hd.B = p.size(0), hd.C = p.size(1), hd.G = inv_tau.numel();
-  TORCH_CHECK(hd.G > 0 && hd.C % hd.G == 0, "kcla_mm ", op, ": ", hd.C, " channels, ", hd.G,
-              " heads");
-  hd.D = hd.C / hd.G, hd.K = wq.numel(), hd.pad = (hd.K - 1) / 2;
-  TORCH_CHECK(hd.K % 2 == 1, "kcla_mm ", op, ": the ECA kernel size must be odd, got ", hd.K);
-  hd.p = param<float>(op, p, hd.B * hd.C, "p");
-  hd.lz0 = opt_param(op, lz_opt, hd.B * hd.G, "log_z");
-  hd.wq = param<float>(op, wq, hd.K, "wq");
-  hd.wk = param<float>(op, wk, hd.K, "wk");
-  hd.tau = param<double>(op, inv_tau, hd.G, "inv_tau");
-  hd.phi = param<float>(op, phi, hd.G * hd.G, "phi");
+  const int64_t B = p.size(0), C = p.size(1), G = inv_tau.numel(), K = wq.numel();
+  TORCH_CHECK(G > 0 && C % G == 0, "kcla_mm ", op, ": ", C, " channels, ", G, " heads");
+  TORCH_CHECK(K % 2 == 1, "kcla_mm ", op, ": the ECA kernel size must be odd, got ", K);
   TORCH_CHECK(eps > 0, "kcla_mm ", op, ": eps must be positive, got ", eps);
-  hd.clamp = clamp, hd.log_eps = std::log(eps);
-  for (auto* v : {&hd.kn, &hd.raw, &hd.lz, &hd.bt, &hd.shr, &hd.qk, &hd.knc, &hd.h, &hd.gate})
-    v->resize(hd.G);
-  return hd;
+  return HeadMath(B, C, G, K, param<float>(op, p, B * C, "p"),
+                  opt_param(op, lz_opt, B * G, "log_z"), param<float>(op, wq, K, "wq"),
+                  param<float>(op, wk, K, "wk"), param<double>(op, inv_tau, G, "inv_tau"),
+                  param<float>(op, phi, G * G, "phi"), clamp, eps);
 }
 
 // Returns (beta [B, C] or empty without log_z, scale [B, C], log z' [B, G]), float32.
@@ -663,7 +602,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> head_forward(
     const at::Tensor& p, const c10::optional<at::Tensor>& lz_opt, const at::Tensor& wq,
     const at::Tensor& wk, const at::Tensor& inv_tau, const at::Tensor& phi, double clamp,
     double eps) {
-  Head hd = make_head("head_forward", p, lz_opt, wq, wk, inv_tau, phi, clamp, eps);
+  HeadMath hd = make_head("head_forward", p, lz_opt, wq, wk, inv_tau, phi, clamp, eps);
   const int64_t B = hd.B, C = hd.C, G = hd.G, D = hd.D;
   at::Tensor beta = hd.lz0 ? at::empty({B, C}, p.options()) : at::empty({0}, p.options());
   at::Tensor scale = at::empty({B, C}, p.options()), lz = at::empty({B, G}, p.options());
@@ -691,7 +630,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_back
     double eps, const c10::optional<at::Tensor>& gbeta_opt,
     const c10::optional<at::Tensor>& gscale_opt, const c10::optional<at::Tensor>& glz_opt) {
   const char* op = "head_backward";
-  Head hd = make_head(op, p, lz_opt, wq, wk, inv_tau, phi, clamp, eps);
+  HeadMath hd = make_head(op, p, lz_opt, wq, wk, inv_tau, phi, clamp, eps);
   const int64_t B = hd.B, C = hd.C, G = hd.G, D = hd.D, K = hd.K, pad = hd.pad;
   const float* gbt = hd.lz0 ? opt_param(op, gbeta_opt, B * C, "gbeta") : nullptr;
   const float* gsc = opt_param(op, gscale_opt, B * C, "gscale");
@@ -964,7 +903,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tail_param_grads(
   return std::make_tuple(gw, gbias, gscale);
 }
 
-// -- an init layer adapting the incoming state, in training (spec section 5) --
+// -- an init layer adapting the incoming state, in training (docs/method.md, section 5) --
 // y = adjust(m) (a grouped 1x1 convolution with the layer's stride, no bias),
 // ubar = norm_u(y) (BatchNorm: batch statistics in training, which also
 // updates the running ones as nn.BatchNorm2d does, else the running ones),

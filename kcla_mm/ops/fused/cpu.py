@@ -1,0 +1,219 @@
+"""When the fused CPU kernels apply, and how a step is handed to them.
+
+Every rule that decides between the fused kernels and the plain torch ops is
+here, decided from the inputs of one call. Each entry point returns ``None``
+where the kernels do not apply, and then the caller computes the plain way:
+
+- :func:`kcla_step`: a whole :meth:`kcla_mm.ops.KCLA.forward`. Eval mode
+  without autograd: ``torch.ops.kcla_mm.eval_step`` (with an init layer's
+  adaptation folded in where it can be). Training with autograd:
+  :class:`~.cpu_autograd.FusedAdapt` for an init layer's adaptation, then
+  :class:`~.cpu_autograd.FusedStep`.
+- :func:`residual_end`: a residual block's last norms, add and ReLU
+  (:func:`kcla_mm.ops.residual.residual_end`): ``residual_bn_relu_pool_``
+  without autograd in eval mode, :class:`~.cpu_autograd.BlockEnd` /
+  :class:`~.cpu_autograd.ResidualReluPool` with autograd.
+
+Common to all: float32 CPU maps in the channels-last layout, plain
+``BatchNorm2d`` norms, no autocast, no ``torch.compile`` or JIT tracing (they
+trace the plain ops), and kernels that built (:mod:`.build`).
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..common import _cached_norm_affine, member
+from ..kcla_state import KCLAState
+from ..recompute import compiling
+from . import build
+from .cpu_autograd import (BlockEnd, FusedAdapt, FusedStep, ResidualReluPool, adapt_applicable,
+                           applicable, block_end_applicable, plain_batchnorm)
+
+CL = torch.channels_last
+
+
+def _weight(layer: nn.Module, name: str) -> Tensor:
+    """``getattr(layer, name).weight`` by :func:`~kcla_mm.ops.common.member`."""
+    return member(member(layer, name), 'weight')
+
+
+def _foldable(norm: nn.Module) -> bool:
+    # an eval-mode BatchNorm with running statistics: one affine per channel
+    return (isinstance(norm, nn.modules.batchnorm._BatchNorm) and not norm.training
+            and member(norm, 'running_mean') is not None)
+
+
+def _cpu_float_map(x: Tensor) -> bool:
+    return (x.device.type == 'cpu' and x.dtype == torch.float32 and x.dim() == 4
+            and x.is_contiguous(memory_format=CL) and not compiling()
+            and not torch.jit.is_tracing())
+
+
+def kcla_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
+              reuse_state: bool) -> Optional[Tuple[Tensor, KCLAState]]:
+    """:meth:`kcla_mm.ops.KCLA.forward` by the fused kernels, or ``None``.
+
+    The caller has checked the arguments' shapes.
+    """
+    if not _cpu_float_map(x) or torch.is_grad_enabled() != layer.training:
+        return None  # eval runs without autograd, training with it
+    if not build.available():
+        return None
+    if layer.training:
+        return _train_step(layer, x, state)
+    return _eval_step(layer, x, state, reuse_state)
+
+
+# -- eval mode, no autograd ------------------------------------------------
+
+
+def _eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
+               reuse_state: bool) -> Optional[Tuple[Tensor, KCLAState]]:
+    if not _foldable(member(layer, 'norm')) or _weight(layer, 'wv').dtype != torch.float32:
+        return None
+    if state is not None and state.mean.dtype != torch.float32:
+        return None
+    if state is not None and layer.renorm:
+        if _adapts_in_eval_step(layer, x, state.mean):
+            return _call_eval_step(layer, x, state, False, adapt=True)
+        # the plain adaptation (which names what is wrong with the state), then
+        # the fused step on the new map, which is owned here
+        state, reuse_state = layer.renormalize(state, x), True
+        if state.mean.dtype != torch.float32 or state.mean.stride() != x.stride():
+            return layer.step(x, state, reuse_state=True)
+    elif state is not None and state.mean.stride() != x.stride():
+        return None
+    return _call_eval_step(layer, x, state, reuse_state)
+
+
+def _adapts_in_eval_step(layer: nn.Module, x: Tensor, m: Tensor) -> bool:
+    """Whether ``eval_step`` also computes the init layer's ``norm_u(adjust(m))``."""
+    return (layer.adjust is not None and _foldable(layer.norm_u) and m.dim() == 4
+            and m.shape[1] == layer.prev_channels and m.is_contiguous(memory_format=CL)
+            and tuple((n - 1) // layer.stride + 1 for n in m.shape[2:]) == tuple(x.shape[2:]))
+
+
+def _call_eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState], reuse_prev: bool,
+                    adapt: bool = False) -> Tuple[Tensor, KCLAState]:
+    """``torch.ops.kcla_mm.eval_step`` with the layer's weights."""
+    weight, shift = _cached_norm_affine(member(layer, 'norm'), torch.float32)  # [1, C, 1, 1]
+    prev = None if state is None else state.mean
+    reuse_prev = reuse_prev and prev is not None and prev is not x
+    adj_w = adj_b = wk_u = None
+    if adapt:  # norm_u(adjust(m)) = (s_u W) m + b_u, one grouped 1x1 map
+        s_u, adj_b = _cached_norm_affine(layer.norm_u, torch.float32)
+        adj_w = layer.adjust.weight.flatten(1) * s_u.view(-1, 1)  # [C, C_prev / G]
+        wk_u = layer.wk_u.weight
+    out, mean, log_z = torch.ops.kcla_mm.eval_step(
+        x, prev, None if state is None or adapt else state.log_z, _weight(layer, 'wq'),
+        _weight(layer, 'wk'), member(layer, 'inv_tau'), _weight(layer, 'phi'),
+        _weight(layer, 'wv'), weight, shift, adj_w, adj_b, wk_u, layer.stride,
+        -1.0 if layer.clamp is None else layer.clamp, layer.eps, reuse_prev, False, None)
+    return out, KCLAState(mean, log_z)
+
+
+# -- training, with autograd ------------------------------------------------
+
+
+def _train_step(layer: nn.Module, x: Tensor,
+                state: Optional[KCLAState]) -> Optional[Tuple[Tensor, KCLAState]]:
+    norm, wv = member(layer, 'norm'), _weight(layer, 'wv')
+    if _weight(layer, 'wq').dtype != torch.float32 or not applicable(norm, x, None, wv):
+        return None
+    if state is not None and layer.renorm:
+        state = _train_adapt(layer, state, x)
+    if state is not None and (state.log_z.dtype != torch.float32
+                              or not applicable(norm, x, state.mean, wv)):
+        return layer.step(x, state)
+    out, mean, log_z = FusedStep.apply(
+        layer, x, None if state is None else state.mean,
+        None if state is None else state.log_z, _weight(layer, 'wq'), _weight(layer, 'wk'),
+        _weight(layer, 'phi'), member(layer, 'drop_path').keep_mask(x), wv,
+        member(norm, 'weight'), member(norm, 'bias'), None)
+    return out, KCLAState(mean, log_z)
+
+
+def _train_adapt(layer: nn.Module, state: KCLAState, x: Tensor) -> KCLAState:
+    """An init layer's adaptation in training: :class:`FusedAdapt` where it applies."""
+    m = state.mean
+    if adapt_applicable(layer, m):  # adjust, norm_u and the pool in two passes
+        ubar, pooled = FusedAdapt.apply(layer, m, layer.adjust.weight, layer.norm_u.weight,
+                                        layer.norm_u.bias)
+        return layer.rekey(ubar, x, pooled)
+    return layer.renormalize(state, x)
+
+
+# -- a residual block's end ---------------------------------------------------
+
+
+def _hooked(*modules: Optional[nn.Module]) -> bool:
+    """Whether calling one of ``modules`` would run a hook, its own or a global one.
+
+    NOTE: torch has no public query for registered hooks; this reads the
+    module's and torch's hook tables. A norm applied inside a kernel skips its
+    module call, so a hooked norm is run as a module instead; a hooked
+    producer of ``x`` may hold ``x``, which the eval kernel would overwrite.
+    """
+    m = nn.modules.module
+    if (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+            or m._global_backward_pre_hooks):
+        return True
+    return any(mod is not None and (mod._forward_hooks or mod._forward_pre_hooks
+                                    or mod._backward_hooks or mod._backward_pre_hooks)
+               for mod in modules)
+
+
+def _fusable_maps(x: Tensor, res: Tensor) -> bool:
+    # the block-end kernels' maps: float32 channels-last CPU maps of one shape
+    return (_cpu_float_map(x) and res.device.type == 'cpu' and res.dtype == torch.float32
+            and x.shape == res.shape and x.numel() > 0
+            and res.is_contiguous(memory_format=CL) and x.data_ptr() != res.data_ptr())
+
+
+def _batchnorm_tensors(norm: nn.Module) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (member(norm, 'weight'), member(norm, 'bias'), member(norm, 'running_mean'),
+            member(norm, 'running_var'))
+
+
+def _eval_batchnorm(norm: Optional[nn.Module]) -> bool:
+    return norm is not None and plain_batchnorm(norm) and not norm.training
+
+
+def residual_end(x: Tensor, res: Tensor, norm: Optional[nn.Module],
+                 res_norm: Optional[nn.Module], producer: Optional[nn.Module] = None
+                 ) -> Optional[Tensor]:
+    """:func:`kcla_mm.ops.residual.residual_end` by the fused kernels, or ``None``.
+
+    - without autograd, eval-mode norms: one pass
+      (``residual_bn_relu_pool_``), the torch ops' values bit for bit; ``x``
+      (the last convolution's output) is overwritten, so not where
+      ``producer``, the module that made ``x``, is hooked;
+    - with autograd, in training or eval mode: :class:`BlockEnd` (values
+      within float rounding: its batch statistics are summed otherwise),
+      or :class:`ResidualReluPool` without norms; both keep the ReLU's
+      one-bit mask instead of its output.
+    """
+    if not _fusable_maps(x, res) or not build.available():
+        return None
+    if _hooked(norm, res_norm):
+        return None
+    if not torch.is_grad_enabled():
+        if (_eval_batchnorm(norm) and (res_norm is None or _eval_batchnorm(res_norm))
+                and not _hooked(producer)):
+            res_args = ((None, None, None, None, 1.0) if res_norm is None else
+                        (*_batchnorm_tensors(res_norm), res_norm.eps))
+            torch.ops.kcla_mm.residual_bn_relu_pool_(x, res, *_batchnorm_tensors(norm),
+                                                     norm.eps, *res_args)
+            return x
+        return None
+    if norm is None and res_norm is None:
+        if x.requires_grad or res.requires_grad:
+            return ResidualReluPool.apply(x, res)[0]
+        return None
+    if norm is not None and block_end_applicable(norm, res_norm, x):
+        return BlockEnd.apply(
+            norm, res_norm, x, res, member(norm, 'weight'), member(norm, 'bias'),
+            None if res_norm is None else member(res_norm, 'weight'),
+            None if res_norm is None else member(res_norm, 'bias'))[0]
+    return None
