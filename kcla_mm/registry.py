@@ -17,6 +17,10 @@ Entry = Tuple[str, str, str]
 #: mmdet scope (``mmdet.registry``).
 DET_COMPONENTS: List[Entry] = [
     ('MODELS', 'kcla_mm.models.backbones.mmdet_kcla_resnet:KCLAResNet', 'KCLAResNet'),
+    ('TRANSFORMS', 'kcla_mm.datasets.transforms:LoadImageFromFileNamingErrors',
+     'LoadImageFromFileNamingErrors'),
+    ('TRANSFORMS', 'kcla_mm.datasets.transforms:DetLoadAnnotationsNamingErrors',
+     'LoadAnnotationsNamingErrors'),
 ]
 
 #: mmseg scope (``mmseg.registry``).
@@ -27,6 +31,10 @@ SEG_COMPONENTS: List[Entry] = [
     ('DATASETS', 'kcla_mm.datasets.medical:ISIC2017Dataset', 'ISIC2017Dataset'),
     ('DATASETS', 'kcla_mm.datasets.medical:ISIC2018Dataset', 'ISIC2018Dataset'),
     ('DATASETS', 'kcla_mm.datasets.medical:KvasirSEGDataset', 'KvasirSEGDataset'),
+    ('TRANSFORMS', 'kcla_mm.datasets.transforms:LoadImageFromFileNamingErrors',
+     'LoadImageFromFileNamingErrors'),
+    ('TRANSFORMS', 'kcla_mm.datasets.transforms:SegLoadAnnotationsNamingErrors',
+     'LoadAnnotationsNamingErrors'),
     ('METRICS', 'kcla_mm.evaluation.metrics.foreground_iou_metric:ForegroundIoUMetric',
      'ForegroundIoUMetric'),
 ]

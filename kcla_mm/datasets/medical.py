@@ -10,7 +10,10 @@ official downloads (the layout of mmseg's medical projects)::
       splits.txt                         "NAME SPLIT" per line, as converted
 
 Every mask must have exactly one image and every image a mask; a mismatch is
-an error that names the files, never a silently shorter dataset.
+an error that names the files, never a silently shorter dataset. A split
+folder that is missing or holds no image is an error at build time that names
+the folder, the layout expected under ``data_root``, the ``data_prefix`` that
+selects a split and the converter that writes the layout.
 """
 import os
 import os.path as osp
@@ -59,19 +62,37 @@ class BinaryMedicalDataset(BaseSegDataset):
             raise ValueError(f'{type(self).__name__}: reduce_zero_label=True would ignore the '
                              'background class (label 0); masks store 0/1')
         suffixes = (img_suffix, ) if isinstance(img_suffix, str) else tuple(img_suffix)
+        # as given, before mmseg joins data_root to it (for the messages)
+        self._prefix = dict(kwargs.get('data_prefix', {}))
         super().__init__(img_suffix=suffixes, seg_map_suffix=seg_map_suffix,
                          reduce_zero_label=False, **kwargs)
 
+    def _convert_command(self) -> str:
+        return (f'`python {self.CONVERTER} DOWNLOAD_DIR --out {self.data_root or "DATA_ROOT"}`'
+                if self.CONVERTER else '')
+
     def _hint(self) -> str:
-        if not self.CONVERTER:
-            return ''
-        return (f'; prepare it with `python {self.CONVERTER} DOWNLOAD_DIR --out '
-                f'{self.data_root or "DATA_ROOT"}`')
+        return f'; prepare it with {self._convert_command()}' if self.CONVERTER else ''
+
+    def _layout_help(self) -> str:
+        """What this dataset expects under ``data_root`` and how to select a split."""
+        root = self.data_root or 'DATA_ROOT'
+        splits = ''
+        images = osp.join(root, 'images')
+        if osp.isdir(images):
+            found = sorted(d for d in os.listdir(images) if osp.isdir(osp.join(images, d)))
+            splits = f' {images} holds the splits: {", ".join(found) or "none"}.'
+        return (f' {type(self).__name__} reads the prepared layout {root}/images/{{split}}/NAME'
+                f'{{{",".join(self.img_suffix)}}} with masks {root}/masks/{{split}}/NAME'
+                f'{self.seg_map_suffix}; select a split with data_prefix=dict('
+                "img_path='images/train', seg_map_path='masks/train') (or 'val', 'test')."
+                f'{splits}' + (f' Prepare it with {self._convert_command()}.'
+                               if self.CONVERTER else ''))
 
     def _list_dir(self, path: str, suffixes: Tuple[str, ...], what: str) -> Dict[str, str]:
         if not osp.isdir(path):
             raise FileNotFoundError(f'{type(self).__name__}: {what} directory {path!r} does not '
-                                    f'exist{self._hint()}')
+                                    f'exist.{self._layout_help()}')
         stems: Dict[str, str] = {}
         duplicates = []
         for name in sorted(os.listdir(path)):
@@ -96,6 +117,11 @@ class BinaryMedicalDataset(BaseSegDataset):
         img_dir = self.data_prefix.get('img_path', None)
         ann_dir = self.data_prefix.get('seg_map_path', None)
         images = self._list_dir(img_dir, tuple(s.lower() for s in self.img_suffix), 'image')
+        if not images:
+            raise FileNotFoundError(
+                f'{type(self).__name__}: no image ({"/".join(self.img_suffix)}) in {img_dir!r} '
+                f'(data_root={self.data_root!r}, data_prefix={self._prefix!r}).'
+                f'{self._layout_help()}')
         masks = self._list_dir(ann_dir, (self.seg_map_suffix.lower(), ), 'mask') \
             if ann_dir else None
         if self.ann_file:
@@ -104,6 +130,9 @@ class BinaryMedicalDataset(BaseSegDataset):
                                         'does not exist')
             lines = mmengine.list_from_file(self.ann_file, backend_args=self.backend_args)
             names = [osp.splitext(line.split()[0])[0] for line in lines if line.strip()]
+            if not names:
+                raise ValueError(f'{type(self).__name__}: ann_file {self.ann_file!r} lists no '
+                                 'names (one NAME per line)')
         else:
             names = sorted(masks if masks is not None else images)
         missing_img = [n for n in names if n not in images]

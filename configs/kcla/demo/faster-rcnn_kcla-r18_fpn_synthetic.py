@@ -3,7 +3,7 @@
 # minutes. See configs/kcla/demo/README.md for the command and the measured numbers.
 _base_ = 'mmdet::faster_rcnn/faster-rcnn_r50_fpn_1x_coco.py'
 
-custom_imports = dict(imports=['kcla_mm'], allow_failed_imports=False)
+custom_imports = dict(imports=['kcla_mm', 'kcla_mm.host_fixes'], allow_failed_imports=False)
 
 data_root = 'data/synthetic_coco/'
 metainfo = dict(
@@ -34,16 +34,16 @@ model = dict(
     test_cfg=dict(rpn=dict(nms_pre=300, max_per_img=100)))
 
 train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='LoadImageFromFileNamingErrors'),
+    dict(type='LoadAnnotationsNamingErrors', with_bbox=True),
     dict(type='Resize', scale=image_size, keep_ratio=True),
     dict(type='RandomFlip', prob=0.5),
     dict(type='PackDetInputs')
 ]
 test_pipeline = [
-    dict(type='LoadImageFromFile'),
+    dict(type='LoadImageFromFileNamingErrors'),
     dict(type='Resize', scale=image_size, keep_ratio=True),
-    dict(type='LoadAnnotations', with_bbox=True),
+    dict(type='LoadAnnotationsNamingErrors', with_bbox=True),
     dict(type='PackDetInputs',
          meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))
 ]

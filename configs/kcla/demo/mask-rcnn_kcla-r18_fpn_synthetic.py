@@ -23,16 +23,16 @@ model = dict(
     test_cfg=dict(rcnn=dict(mask_thr_binary=0.5)))
 
 train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='LoadImageFromFileNamingErrors'),
+    dict(type='LoadAnnotationsNamingErrors', with_bbox=True, with_mask=True),
     dict(type='Resize', scale={{_base_.image_size}}, keep_ratio=True),
     dict(type='RandomFlip', prob=0.5),
     dict(type='PackDetInputs')
 ]
 test_pipeline = [
-    dict(type='LoadImageFromFile'),
+    dict(type='LoadImageFromFileNamingErrors'),
     dict(type='Resize', scale={{_base_.image_size}}, keep_ratio=True),
-    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='LoadAnnotationsNamingErrors', with_bbox=True, with_mask=True),
     dict(type='PackDetInputs',
          meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor'))
 ]

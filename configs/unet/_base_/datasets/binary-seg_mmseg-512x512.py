@@ -22,8 +22,8 @@ data_preprocessor = dict(
     size=crop_size)
 
 train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='LoadAnnotations'),
+    dict(type='LoadImageFromFileNamingErrors'),
+    dict(type='LoadAnnotationsNamingErrors'),
     dict(type='RandomResize', scale=img_scale, ratio_range=(0.5, 2.0), keep_ratio=True),
     dict(type='RandomCrop', crop_size=crop_size, cat_max_ratio=0.75),
     dict(type='RandomFlip', prob=0.5),
@@ -31,9 +31,9 @@ train_pipeline = [
     dict(type='PackSegInputs')
 ]
 test_pipeline = [
-    dict(type='LoadImageFromFile'),
+    dict(type='LoadImageFromFileNamingErrors'),
     dict(type='Resize', scale=img_scale, keep_ratio=True),
-    dict(type='LoadAnnotations'),
+    dict(type='LoadAnnotationsNamingErrors'),
     dict(type='PackSegInputs')
 ]
 train_dataloader = dict(

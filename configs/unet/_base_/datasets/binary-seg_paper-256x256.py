@@ -25,8 +25,8 @@ data_preprocessor = dict(
     size=img_scale)
 
 train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='LoadAnnotations'),
+    dict(type='LoadImageFromFileNamingErrors'),
+    dict(type='LoadAnnotationsNamingErrors'),
     dict(type='Resize', scale=img_scale, keep_ratio=False),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),
     dict(type='RandomFlip', prob=0.5, direction='vertical'),
@@ -34,10 +34,10 @@ train_pipeline = [
     dict(type='PackSegInputs')
 ]
 test_pipeline = [
-    dict(type='LoadImageFromFile'),
+    dict(type='LoadImageFromFileNamingErrors'),
     dict(type='Resize', scale=img_scale, keep_ratio=False),
     # Loaded after Resize: metrics are computed at the original resolution.
-    dict(type='LoadAnnotations'),
+    dict(type='LoadAnnotationsNamingErrors'),
     dict(type='PackSegInputs')
 ]
 train_dataloader = dict(
