@@ -91,6 +91,7 @@ def save_untrained(config: str, out: str, seed: int) -> None:
     from mmseg.registry import MODELS
 
     import kcla_mm  # noqa: F401
+    import kcla_mm.host_fixes  # noqa: F401
     MMLogger.get_instance('demo_seg', log_level='WARNING')  # no per-parameter init report
     cfg = Config.fromfile(config)
     set_random_seed(seed)

@@ -15,6 +15,12 @@ host-specific follow the host's own ``tools/test.py``:
 
 The metrics are logged and written to ``work_dir/<timestamp>/<timestamp>.json``.
 
+A checkpoint whose tensors do not fit the model (another config's, another
+width or number of classes) is an error listing every mismatched key with
+both shapes, before anything is evaluated; mmengine alone would only warn
+and evaluate a partly random model. ``--allow-shape-mismatch`` makes it a
+warning (for a checkpoint known to differ, e.g. in its head).
+
 Examples::
 
     python tools/test.py configs/kcla/faster-rcnn_kcla-r50_fpn_1x_coco.py epoch_12.pth
@@ -26,8 +32,10 @@ from typing import Optional, Sequence
 from mmengine.config import Config
 from mmengine.evaluator import DumpResults
 
-import kcla_mm  # noqa: F401  (registers the components, installs the safe loader)
+import kcla_mm  # noqa: F401  (registers the components)
+import kcla_mm.host_fixes  # noqa: F401  (safe loading, atomic saving, CPU distributed)
 from kcla_mm.utils.dist import shutdown_distributed
+from kcla_mm.utils.hooks import CheckpointShapeCheckHook
 from kcla_mm.utils.runner_cli import (add_runner_args, build_runner, load_runner_config,
                                       parse_runner_args)
 
@@ -45,6 +53,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         '(mmdet: relative to work_dir/<timestamp>)')
     parser.add_argument('--wait-time', type=float, default=2,
                         help='seconds each image is shown with --show')
+    parser.add_argument('--allow-shape-mismatch', action='store_true',
+                        help='warn instead of failing when tensors of the checkpoint have other '
+                        'shapes than the model\'s (those keep their initial values)')
     add_runner_args(parser, 'the dir to save logs and the metrics file',
                     'test_dataloader.batch_size=4')
     return parse_runner_args(parser, argv)
@@ -105,6 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     cfg = build_config(args)
     runner = build_runner(cfg)
+    runner.register_hook(CheckpointShapeCheckHook(strict=not args.allow_shape_mismatch))
     if args.out is not None and args.out.endswith(PICKLE_EXTENSIONS):
         runner.test_evaluator.metrics.append(dump_metric(cfg.get('default_scope'), args.out))
     try:

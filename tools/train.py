@@ -3,8 +3,9 @@
 The same script serves mmdet and mmseg configs: mmengine's ``Runner`` builds
 everything from the config and the config's ``default_scope`` decides which
 library's registries resolve the types. ``import kcla_mm`` registers the
-kcla_mm components in both and makes checkpoint loading (``load_from``,
-``--resume``, ``init_cfg=dict(type='Pretrained')``) safe.
+kcla_mm components in both; ``import kcla_mm.host_fixes`` makes checkpoint
+loading (``load_from``, ``--resume``, ``init_cfg=dict(type='Pretrained')``)
+safe, checkpoint saving atomic and ``--launcher pytorch`` work on CPU.
 
 Examples::
 
@@ -19,7 +20,8 @@ from typing import Optional, Sequence
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-import kcla_mm  # noqa: F401  (registers the components, installs the safe loader)
+import kcla_mm  # noqa: F401  (registers the components)
+import kcla_mm.host_fixes  # noqa: F401  (safe loading, atomic saving, CPU distributed)
 from kcla_mm.utils.dist import shutdown_distributed
 from kcla_mm.utils.runner_cli import (add_runner_args, build_runner, load_runner_config,
                                       parse_runner_args)

@@ -4,7 +4,7 @@
 # instead of mmdet's torchvision:// download.
 _base_ = 'mmdet::faster_rcnn/faster-rcnn_r50_fpn_1x_coco.py'
 
-custom_imports = dict(imports=['kcla_mm'], allow_failed_imports=False)
+custom_imports = dict(imports=['kcla_mm', 'kcla_mm.host_fixes'], allow_failed_imports=False)
 
 # ImageNet-pretrained backbone: a local file, never a download. Put it at this
 # path or override it:

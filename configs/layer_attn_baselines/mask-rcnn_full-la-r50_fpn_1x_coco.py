@@ -2,7 +2,7 @@
 # schedule and settings as configs/kcla/mask-rcnn_kcla-r50_fpn_1x_coco.py.
 _base_ = 'mmdet::mask_rcnn/mask-rcnn_r50_fpn_1x_coco.py'
 
-custom_imports = dict(imports=['kcla_mm'], allow_failed_imports=False)
+custom_imports = dict(imports=['kcla_mm', 'kcla_mm.host_fixes'], allow_failed_imports=False)
 
 # ImageNet-pretrained backbone: a local file, never a download. Put it at this
 # path or override it:

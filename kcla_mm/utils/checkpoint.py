@@ -1,13 +1,13 @@
-"""Safe checkpoint loading for everything kcla_mm touches.
+"""Safe checkpoint loading, atomic checkpoint writing and shape checks.
 
 ``torch.load(weights_only=False)`` runs arbitrary pickled code, and released
 checkpoints come from the internet. mmengine 0.10.7 calls ``torch.load``
 without ``weights_only``; torch >= 2.6 then defaults to ``weights_only=True``
 and refuses mmengine's own checkpoints (they hold message-hub history buffers
 and numpy arrays). :func:`safe_load` loads with ``weights_only=True`` and an
-explicit allow-list of exactly those types; :func:`install_safe_loader` makes
-mmengine's local-file checkpoint loader (used by ``load_from``, ``--resume``,
-``init_cfg=dict(type='Pretrained')`` and ``load_checkpoint``) use it.
+explicit allow-list of exactly the types mmengine, mmdet and mmseg write;
+:func:`load_from_local` is mmengine's local-file loader made safe, which
+:mod:`kcla_mm.host_fixes` registers with mmengine's ``CheckpointLoader``.
 
 A file that needs any other type is refused with an error that names the
 type. To load such a file knowingly, set ``KCLA_MM_TRUST_CHECKPOINTS=1`` (the
@@ -19,12 +19,11 @@ truncated or otherwise not a complete checkpoint is refused with
 Saving: mmengine 0.10.7 writes checkpoints in place (``LocalBackend.put``
 opens the final path with ``'wb'``), so a run killed mid-write leaves a
 partial file under the final name and destroys the file it overwrote.
-:func:`install_atomic_save` makes that ``put`` write a temporary file in the
-same folder, ``fsync`` it and ``os.replace`` it onto the final name: the final
-name holds either the old file or the complete new one, never a part.
+:func:`atomic_write_bytes` writes a temporary file in the same folder,
+``fsync`` s it and ``os.replace`` s it onto the final name: the final name
+holds either the old file or the complete new one, never a part.
 """
 import collections
-import functools
 import io
 import os
 import os.path as osp
@@ -35,9 +34,10 @@ import stat
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
+from typing import Any, List, Mapping, Optional, Tuple, Union
 
 import torch
+from mmengine.fileio.backends import LocalBackend
 
 TRUST_ENV = 'KCLA_MM_TRUST_CHECKPOINTS'
 
@@ -91,9 +91,19 @@ def _history_buffer_method(owner: Any, name: Any) -> Any:
         f'getattr(HistoryBuffer, one of {_HISTORY_BUFFER_METHODS}) is allowed')
 
 
+#: Builtin types whose constructors only build a value. A protocol-2 pickle
+#: writes ``b''`` as ``bytes()`` (an empty numpy array, e.g. the history of a
+#: message-hub buffer that was never updated, holds one) and a set as
+#: ``set([...])``. torch's own list has some of them, depending on its version.
+HARMLESS_BUILTINS = (bytes, bytearray, set, frozenset, complex, range, slice)
+
+
 def allowed_globals() -> List[Any]:
-    """The types mmengine's own checkpoints contain, beyond what torch allows."""
-    out = _numpy_globals() + [collections.OrderedDict, collections.defaultdict]
+    """The types mmengine's, mmdet's and mmseg's checkpoints contain, beyond torch's."""
+    out = list(HARMLESS_BUILTINS) + _numpy_globals() + [
+        collections.OrderedDict, collections.defaultdict, collections.Counter,
+        collections.deque
+    ]
     try:
         from mmengine.logging.history_buffer import HistoryBuffer
         out += [HistoryBuffer, (_history_buffer_method, 'builtins.getattr')]
@@ -174,8 +184,9 @@ def safe_load(f, map_location: Optional[Any] = None, trust: Optional[bool] = Non
         what = found[0] if found else 'an object outside the allow-list'
         raise UnsafeCheckpointError(
             f'refusing to load {name}: it needs {what}, which is not in kcla_mm\'s '
-            'allow-list of checkpoint types (tensors, containers, numpy arrays and '
-            'mmengine history buffers). Loading it could run arbitrary code. If you '
+            'allow-list of checkpoint types (tensors, builtin values and containers, numpy '
+            'arrays, mmengine history buffers and config dicts). Loading it could run '
+            'arbitrary code. If you '
             f'trust this file, set {TRUST_ENV}=1 (or pass --trust-checkpoint to the '
             'kcla_mm tools).') from None
 
@@ -186,15 +197,6 @@ def load_from_local(filename: str, map_location=None) -> Any:
     if not osp.isfile(filename):
         raise FileNotFoundError(f'{filename} can not be found.')
     return safe_load(filename, map_location=map_location)
-
-
-def install_safe_loader() -> None:
-    """Make mmengine load local checkpoints through :func:`safe_load`."""
-    try:
-        from mmengine.runner.checkpoint import CheckpointLoader
-    except ImportError:
-        return
-    CheckpointLoader.register_scheme(prefixes='', loader=load_from_local, force=True)
 
 
 def atomic_write_bytes(data: bytes, path: Union[str, Path]) -> None:
@@ -210,55 +212,63 @@ def atomic_write_bytes(data: bytes, path: Union[str, Path]) -> None:
     Args:
         data: the complete file contents.
         path: the final file name; its folder is created if needed.
+
+    Raises:
+        OSError: writing failed (a full disk, a quota, ...); the message names
+            ``path`` and says that the previous file under it is unchanged.
     """
     path = osp.realpath(os.fspath(path))
     folder = osp.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = osp.join(folder, f'.{osp.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}')
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, 'wb') as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if osp.exists(path):
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
-        os.replace(tmp, path)
-    except BaseException:
-        if osp.exists(tmp):
-            os.remove(tmp)
-        raise
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, 'wb') as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if osp.exists(path):
+                os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+            os.replace(tmp, path)
+        except BaseException:
+            if osp.exists(tmp):
+                os.remove(tmp)
+            raise
+    except OSError as e:
+        kept = 'the previous file under that name is unchanged' if osp.exists(path) \
+            else 'no file was created'
+        raise _naming(e, f'could not write {path} ({e.strerror or e}); {kept}', path) from e
 
 
-def _atomic_put(original: Callable) -> Callable:
+def _naming(error: OSError, message: str, path: str) -> OSError:
+    """``error`` with ``message``: same type and errno (ENOSPC stays ENOSPC).
 
-    @functools.wraps(original)
+    The error of a write to an open file carries no file name.
+    """
+    try:
+        return type(error)(error.errno, message, path)
+    except Exception:  # a subclass with another constructor
+        return OSError(error.errno, message, path)
+
+
+class AtomicLocalBackend(LocalBackend):
+    """mmengine's local file backend whose ``put`` writes atomically.
+
+    Every checkpoint mmengine saves (``CheckpointHook``,
+    ``Runner.save_checkpoint``, ``mmengine.runner.save_checkpoint``) goes
+    through ``get_file_backend(path).put``; :mod:`kcla_mm.host_fixes` registers
+    this class as the ``'local'`` backend for paths without a prefix.
+    NOTE: the ``last_checkpoint`` pointer file is written by ``CheckpointHook``
+    with ``open`` (not through ``put``), but only after the checkpoint it names
+    has been renamed into place, so it never names a partial file.
+    """
+
     def put(self, obj: bytes, filepath: Union[str, Path]) -> None:
         target = osp.realpath(os.fspath(filepath))
         if osp.exists(target) and not osp.isfile(target):
-            return original(self, obj, filepath)  # a device or pipe: write in place
+            return super().put(obj, filepath)  # a device or pipe: write in place
         atomic_write_bytes(obj, target)
-
-    put.kcla_mm_atomic = True
-    return put
-
-
-def install_atomic_save() -> None:
-    """Make mmengine's local file backend write files atomically (idempotent).
-
-    Covers every checkpoint mmengine saves (``CheckpointHook``,
-    ``Runner.save_checkpoint``, ``mmengine.runner.save_checkpoint``) and every
-    other ``LocalBackend.put``. NOTE: the ``last_checkpoint`` pointer file is
-    written by ``CheckpointHook`` with ``open`` (not through ``put``), but only
-    after the checkpoint it names has been renamed into place, so it never
-    names a partial file.
-    """
-    try:
-        from mmengine.fileio.backends.local_backend import LocalBackend
-    except ImportError:
-        return
-    if not getattr(LocalBackend.put, 'kcla_mm_atomic', False):
-        LocalBackend.put = _atomic_put(LocalBackend.put)
 
 
 class CheckpointShapeError(ValueError):

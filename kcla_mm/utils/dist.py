@@ -9,10 +9,17 @@ Two steps of mmengine's ``--launcher pytorch`` path assume GPUs:
 - ``Runner.wrap_model`` passes ``device_ids=[LOCAL_RANK]`` to
   ``MMDistributedDataParallel``; DDP refuses ``device_ids`` for a CPU module.
 
-:func:`install_cpu_distributed` (called on ``import kcla_mm``) removes both
-assumptions where no accelerator is available and changes nothing where one
-is. On CPU the backend must be ``gloo`` (``--cfg-options
+:func:`install_cpu_distributed` (called by :mod:`kcla_mm.host_fixes`) removes
+both assumptions where no accelerator is available and changes nothing where
+one is. On CPU the backend must be ``gloo`` (``--cfg-options
 env_cfg.dist_cfg.backend=gloo``); NCCL is refused with that hint.
+
+NOTE: mmengine has no public extension point for either step, so both are
+wrapped in place: ``init_dist('pytorch')`` calls the private
+``mmengine.dist.utils._init_dist_pytorch`` (``Runner.setup_env`` reaches it
+from ``env_cfg``, with no registry in between), and ``Runner.wrap_model``
+instantiates ``MMDistributedDataParallel`` by class when the config has no
+``model_wrapper_cfg`` (its registry is consulted only when one is given).
 """
 import functools
 import time

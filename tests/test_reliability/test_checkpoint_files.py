@@ -1,25 +1,30 @@
 """Checkpoint files: saving is atomic, partial files are refused with a clear error.
 
 mmengine 0.10.7 writes a checkpoint in place (``LocalBackend.put`` opens the
-final name with ``'wb'``); ``import kcla_mm`` replaces that with write to a
-temporary file, fsync, rename. A crash at any point of a save leaves the
-final name with either the previous complete file or the new complete one.
+final name with ``'wb'``); :mod:`kcla_mm.host_fixes` registers a local
+backend that writes a temporary file, fsyncs it and renames it. A crash at
+any point of a save leaves the final name with either the previous complete
+file or the new complete one; a failed write names the file.
 """
+import errno
 import os
+import os.path as osp
 import pickle
 import stat
 
 import pytest
 import torch
-from mmengine.fileio.backends import local_backend
+from mmengine.fileio import get_file_backend
+from mmengine.fileio.backends import local_backend, prefix_to_backends
 from mmengine.fileio.backends.local_backend import LocalBackend
 from mmengine.logging.history_buffer import HistoryBuffer
 from mmengine.runner.checkpoint import load_checkpoint, save_checkpoint
+from reliability_utils import TRAIN, run_script, write_seg_config, write_seg_data
 from torch import nn
 
-import kcla_mm  # noqa: F401  (installs the safe loader and the atomic save)
+import kcla_mm.host_fixes  # noqa: F401  (the safe loader and the atomic save)
 from kcla_mm.utils.checkpoint import (CorruptCheckpointError, UnsafeCheckpointError,
-                                      atomic_write_bytes, install_atomic_save, safe_load)
+                                      atomic_write_bytes, safe_load)
 
 
 class SimulatedCrash(BaseException):
@@ -32,8 +37,8 @@ def checkpoint(value: float) -> dict:
     return {'meta': {'iter': int(value)}, 'state_dict': model.state_dict()}
 
 
-def half_writing_file(real_file):
-    """A file object whose ``write`` writes half of the bytes, then 'crashes'."""
+def half_writing_file(real_file, error=SimulatedCrash):
+    """A file object whose ``write`` writes half of the bytes, then raises ``error``."""
 
     class HalfWriter:
 
@@ -43,7 +48,7 @@ def half_writing_file(real_file):
         def write(self, data):
             self.f.write(bytes(data[:len(data) // 2]))
             self.f.flush()
-            raise SimulatedCrash
+            raise error
 
         def __getattr__(self, name):
             return getattr(self.f, name)
@@ -58,24 +63,16 @@ def half_writing_file(real_file):
 
 
 def test_mmengine_alone_writes_in_place_and_a_crash_destroys_the_old_file(tmp_path, monkeypatch):
-    # The reason for install_atomic_save: mmengine's own put, crashing mid-write.
+    # The reason for the atomic backend: mmengine's own put, crashing mid-write.
     path = str(tmp_path / 'iter_10.pth')
     save_checkpoint(checkpoint(1.0), path)
-    original_put = LocalBackend.put.__wrapped__
+    monkeypatch.setitem(prefix_to_backends, '', LocalBackend)
     monkeypatch.setattr(local_backend, 'open',
                         lambda *a, **k: half_writing_file(open(*a, **k)), raising=False)
-    monkeypatch.setattr(LocalBackend, 'put', original_put)
     with pytest.raises(SimulatedCrash):
         save_checkpoint(checkpoint(2.0), path)
     with pytest.raises(CorruptCheckpointError, match='iter_10.pth'):
         safe_load(path)
-
-
-def test_install_atomic_save_is_idempotent():
-    put = LocalBackend.put
-    assert getattr(put, 'kcla_mm_atomic', False)
-    install_atomic_save()
-    assert LocalBackend.put is put
 
 
 def _crash_in_write(monkeypatch):
@@ -105,6 +102,57 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
     monkeypatch.undo()
     assert safe_load(str(path))['meta']['iter'] == 1  # the old file, complete
     assert os.listdir(tmp_path) == ['iter_10.pth']  # no temporary file left behind
+
+
+def disk_full_when_writing(monkeypatch, name: str) -> None:
+    """Writes of files whose path contains ``name`` fail half-way with ENOSPC."""
+    real = os.fdopen
+
+    def fdopen(fd, *args, **kwargs):
+        f = real(fd, *args, **kwargs)
+        if name in os.readlink(f'/proc/self/fd/{fd}'):
+            return half_writing_file(f, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        return f
+
+    monkeypatch.setattr(os, 'fdopen', fdopen)
+
+
+@pytest.mark.skipif(not osp.isdir('/proc/self/fd'), reason='finds the file of an fd in /proc')
+def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_previous_one(
+        tmp_path, monkeypatch):
+    path = tmp_path / 'iter_10.pth'
+    save_checkpoint(checkpoint(1.0), str(path))
+    disk_full_when_writing(monkeypatch, 'iter_10.pth')
+    with pytest.raises(OSError) as e:
+        save_checkpoint(checkpoint(2.0), str(path))
+    assert e.value.errno == errno.ENOSPC  # still the disk's error
+    assert f'could not write {osp.realpath(path)} (No space left on device)' in str(e.value)
+    assert 'the previous file under that name is unchanged' in str(e.value)
+    monkeypatch.undo()
+    assert safe_load(str(path))['meta']['iter'] == 1
+    assert os.listdir(tmp_path) == ['iter_10.pth']
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not osp.isdir('/proc/self/fd'), reason='finds the file of an fd in /proc')
+def test_a_run_whose_disk_fills_up_names_the_checkpoint_and_resumes(tmp_path, monkeypatch):
+    cfg = write_seg_config(str(tmp_path / 'tiny_unet.py'), write_seg_data(str(tmp_path / 'd')),
+                           max_iters=4, ckpt_interval=2)
+    work = tmp_path / 'work'
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    with monkeypatch.context() as m:
+        disk_full_when_writing(m, 'iter_4.pth')
+        with pytest.raises(OSError, match=f'could not write {osp.realpath(work)}/iter_4.pth') as e:
+            run_script(TRAIN, [cfg, '--work-dir', str(work)], m)
+    assert e.value.errno == errno.ENOSPC
+    # the previous checkpoint and the pointer to it are intact, nothing half-written
+    assert safe_load(str(work / 'iter_2.pth'))['meta']['iter'] == 2
+    assert (work / 'last_checkpoint').read_text().strip().endswith('iter_2.pth')
+    assert sorted(p.name for p in work.glob('*.pth')) == ['iter_2.pth']
+    assert not list(work.glob('.*tmp*'))
+    # once there is space again, --resume continues from it
+    run_script(TRAIN, [cfg, '--work-dir', str(work), '--resume'], monkeypatch)
+    assert safe_load(str(work / 'iter_4.pth'))['meta']['iter'] == 4
 
 
 def test_a_crash_during_the_first_save_leaves_no_file(tmp_path, monkeypatch):
@@ -139,7 +187,7 @@ def test_a_symlink_keeps_pointing_at_the_replaced_file(tmp_path):
     target.write_bytes(b'old')
     link = tmp_path / 'latest.pth'
     link.symlink_to(target)
-    LocalBackend().put(b'new', link)
+    get_file_backend(str(link)).put(b'new', link)
     assert link.is_symlink() and target.read_bytes() == b'new'
 
 
@@ -148,7 +196,7 @@ def test_a_pipe_is_written_in_place(tmp_path):
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        LocalBackend().put(b'through the pipe', fifo)
+        get_file_backend(fifo).put(b'through the pipe', fifo)
         assert os.read(reader, 100) == b'through the pipe'
     finally:
         os.close(reader)

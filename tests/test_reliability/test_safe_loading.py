@@ -4,13 +4,19 @@ The file pickles an object whose ``__reduce__`` calls ``os.system('touch
 MARKER')``. Each path (``tools/test.py CONFIG evil.pth``, ``load_from`` and
 ``--resume`` of ``tools/train.py``, ``init_cfg=dict(type='Pretrained')`` of a
 KCLAResNet built in either scope) must raise :class:`UnsafeCheckpointError`
-naming ``os.system`` and the opt-in, and the marker must not exist.
+naming ``os.system`` and the opt-in, and the marker must not exist. What
+mmengine itself writes (an empty message-hub buffer, builtin values such as
+``bytes`` and ``frozenset``) loads.
 """
+import os
+
 import pytest
+import torch
 from mmengine.registry import init_default_scope
 from reliability_utils import (TEST, TRAIN, run_script, write_evil_checkpoint, write_seg_config,
                                write_seg_data)
 
+import kcla_mm.host_fixes  # noqa: F401  (the safe loader, as the configs and tools import it)
 from kcla_mm.utils.checkpoint import TRUST_ENV, UnsafeCheckpointError
 
 REFUSAL = r'(posix|os)\.system'
@@ -85,3 +91,49 @@ def test_trusting_the_file_is_what_runs_it(evil, monkeypatch):
     with pytest.raises(Exception):  # the payload is no state dict
         backbone.init_weights()
     assert marker.exists()
+
+
+def test_a_history_buffer_that_was_never_updated_loads(tmp_path):
+    # its empty history pickles b'' as bytes(): refused before bytes was allowed
+    from mmengine.logging import HistoryBuffer, MessageHub
+    from mmengine.runner.checkpoint import save_checkpoint
+
+    from kcla_mm.utils.checkpoint import safe_load
+    hub = MessageHub('kcla_test_empty_buffer')
+    hub.load_state_dict(dict(log_scalars={'train/registered': HistoryBuffer()}, runtime_info={},
+                             resumed_keys={'train/registered': True}))
+    path = str(tmp_path / 'iter_1.pth')
+    save_checkpoint({'meta': {}, 'message_hub': hub.state_dict()}, path)
+    buf = safe_load(path)['message_hub']['log_scalars']['train/registered']
+    assert isinstance(buf, HistoryBuffer) and buf.data[0].size == 0
+
+
+HARMLESS = {'bytes': b'\x00\xffraw', 'empty bytes': b'', 'bytearray': bytearray(b'ab'),
+            'set': {1, 'a'}, 'frozenset': frozenset({2.5}), 'complex': 1 - 2j,
+            'range': range(3, 9, 2), 'slice': slice(1, None, 2)}
+
+
+@pytest.mark.parametrize('name', list(HARMLESS))
+def test_harmless_builtin_values_load(tmp_path, name):
+    from kcla_mm.utils.checkpoint import safe_load
+    path = tmp_path / 'values.pth'
+    torch.save({'meta': {name: HARMLESS[name]}}, path)
+    assert safe_load(str(path))['meta'][name] == HARMLESS[name]
+
+
+def test_the_allow_list_holds_only_value_types_and_named_rebuilders():
+    # nothing on the list can run code: classes whose constructors build values,
+    # numpy's array and scalar rebuilders, and the restricted getattr
+    import numpy as np
+
+    from kcla_mm.utils.checkpoint import _history_buffer_method, allowed_globals
+    functions = {f.__qualname__ for f in allowed_globals() if not isinstance(f, type)
+                 and not isinstance(f, tuple)}
+    assert functions <= {'_reconstruct', 'scalar'}
+    assert [f for f in allowed_globals() if isinstance(f, tuple)] == [
+        (_history_buffer_method, 'builtins.getattr')]
+    modules = {f.__module__.split('.')[0] for f in allowed_globals() if isinstance(f, type)}
+    assert modules <= {'builtins', 'collections', 'numpy', 'mmengine'}, modules
+    assert not {eval, exec, getattr, setattr, os.system, __import__, type, object} & set(
+        f for f in allowed_globals() if not isinstance(f, tuple))
+    assert np.ndarray in allowed_globals()

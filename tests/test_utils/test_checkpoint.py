@@ -8,7 +8,7 @@ from mmengine.logging import MessageHub
 from mmengine.runner.checkpoint import CheckpointLoader, load_checkpoint, save_checkpoint
 from torch import nn
 
-import kcla_mm  # noqa: F401  (installs the safe loader)
+import kcla_mm.host_fixes  # noqa: F401  (the safe loader)
 from kcla_mm.utils.checkpoint import TRUST_ENV, UnsafeCheckpointError, safe_load
 
 

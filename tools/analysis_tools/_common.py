@@ -22,7 +22,8 @@ from mmengine.logging import MMLogger
 from mmengine.registry import init_default_scope
 from torch import nn
 
-import kcla_mm  # noqa: F401  (registers the components, installs the safe loader)
+import kcla_mm  # noqa: F401  (registers the components)
+import kcla_mm.host_fixes  # noqa: F401  (safe loading, atomic saving, CPU distributed)
 from kcla_mm.analysis import compare_state_dicts, sub_state_dict, unwrap_state_dict
 from kcla_mm.utils.checkpoint import TRUST_ENV, UnsafeCheckpointError, safe_load
 from kcla_mm.utils.official_checkpoint import convert_official_state_dict, is_official_layout

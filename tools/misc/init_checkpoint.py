@@ -20,7 +20,8 @@ from mmengine.config import Config, DictAction
 from mmengine.registry import MODELS, init_default_scope
 from mmengine.runner import set_random_seed
 
-import kcla_mm  # noqa: F401  (registers the components, installs the safe loader)
+import kcla_mm  # noqa: F401  (registers the components)
+import kcla_mm.host_fixes  # noqa: F401  (safe loading, atomic saving, CPU distributed)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
