@@ -129,7 +129,7 @@ def test_split_file_problems_are_named(tmp_path, kvasir, capsys):
     assert kvasir.main([str(tmp_path / 'dl'), '--out', str(out),
                         '--split-file', str(split_file)]) == 1
     err = capsys.readouterr().err
-    assert 'not_there: listed in the split file' in err
+    assert 'not_there: listed as test in the split file' in err
     for name in names[2:]:
         assert f'{name}: not listed in the split file' in err
     assert not out.exists()  # name-level problems are found before anything is written
@@ -137,6 +137,144 @@ def test_split_file_problems_are_named(tmp_path, kvasir, capsys):
     assert kvasir.main([str(tmp_path / 'dl'), '--out', str(out),
                         '--split-file', str(split_file)]) == 1
     assert 'split.txt:1' in capsys.readouterr().err
+
+
+def test_random_three_way_split_is_seeded_and_keeps_the_train_set(tmp_path, kvasir):
+    written = generate('kvasir', str(tmp_path / 'dl'), num=20, size=16)
+    two_way, three_way = tmp_path / 'two', tmp_path / 'three'
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(two_way), '--ratio', '0.6',
+                        '--seed', '5']) == 0
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(three_way), '--ratio', '0.6',
+                        '--test-ratio', '0.2', '--seed', '5']) == 0
+    splits = split_names(three_way)
+    assert {s: len(n) for s, n in splits.items()} == dict(train=12, val=4, test=4)
+    assert sorted(sum(splits.values(), [])) == sorted(written['all'])
+    # Holding out a test split takes it from val: the train set is the same.
+    assert splits['train'] == split_names(two_way)['train']
+    for split in ('train', 'val', 'test'):
+        assert listing(three_way, split) == listing(three_way, split, 'images') \
+            == sorted(splits[split])
+    stats = json.loads((three_way / 'stats.json').read_text())
+    assert stats['counts'] == dict(train=12, val=4, test=4) and stats['test_ratio'] == 0.2
+    # Its splits.txt, test lines included, reproduces it as a split file.
+    again = tmp_path / 'again'
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(again),
+                        '--split-file', str(three_way / 'splits.txt')]) == 0
+    assert split_names(again) == splits
+
+
+@pytest.mark.parametrize('args', [
+    ['--test-ratio', '0.3'],  # with --ratio 0.7 nothing is left for val
+    ['--test-ratio', '-0.1'],
+    ['--split', 'kcla-paper', '--test-ratio', '0.1'],  # a named split is taken as published
+])
+def test_bad_test_ratio_is_a_usage_error(tmp_path, kvasir, capsys, args):
+    generate('kvasir', str(tmp_path / 'dl'), num=2, size=16)
+    with pytest.raises(SystemExit) as exit_:
+        kvasir.main([str(tmp_path / 'dl'), '--out', str(tmp_path / 'out')] + args)
+    assert exit_.value.code == 2
+    assert '--test-ratio' in capsys.readouterr().err
+
+
+def test_test_ratio_beside_an_official_test_set_fails(tmp_path, isic2017, capsys):
+    # An official Test set is the test split; a random share of the pool would join it.
+    generate('isic2017', str(tmp_path / 'dl'), num=4, num_val=2, num_test=2, size=16)
+    assert isic2017.main([str(tmp_path / 'dl'), '--out', str(tmp_path / 'out'),
+                          '--test-ratio', '0.1']) == 1
+    assert "official ['Test']" in capsys.readouterr().err
+
+
+KCLA_LISTS = osp.join(TOOLS, 'splits', 'kvasir_seg', 'kcla-paper')
+
+
+def kcla_list(split):
+    with open(osp.join(KCLA_LISTS, f'{split}.txt')) as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def test_kcla_paper_lists_are_700_and_300_kvasir_names():
+    train, val = kcla_list('train'), kcla_list('val')
+    assert len(train) == len(set(train)) == 700 and len(val) == len(set(val)) == 300
+    assert not set(train) & set(val)
+    assert all(re.fullmatch(r'c[a-z0-9]{24}\.jpg', n) for n in train + val)
+    # First and last lines of the authors' files.
+    assert (train[0], train[-1]) == ('cju0qkwl35piu0993l0dewei2.jpg',
+                                     'ck2bxqz3evvg20794iiyv5v2m.jpg')
+    assert (val[0], val[-1]) == ('cju0qoxqj9q6s0835b43399p4.jpg',
+                                 'ck2da7fwcjfis07218r1rvm95.jpg')
+
+
+def fake_kvasir_download(folder, names):
+    """Kvasir-SEG/{images,masks}/NAME.jpg for ``names`` (``NAME.jpg``), all one tiny pair."""
+    img, mask = fake_kvasir_download.pair
+    for kind, data in (('images', img), ('masks', mask)):
+        os.makedirs(folder / KVASIR_ROOT / kind, exist_ok=True)
+        for name in names:
+            (folder / KVASIR_ROOT / kind / name).write_bytes(data)
+
+
+fake_kvasir_download.pair = tuple(
+    cv2.imencode('.jpg', a)[1].tobytes()
+    for a in (np.full((8, 10, 3), 90, np.uint8), np.pad(np.full((4, 4), 255, np.uint8), 3)[:8]))
+
+
+def test_kcla_paper_split_is_reproduced_from_a_download(tmp_path, kvasir):
+    train, val = kcla_list('train'), kcla_list('val')
+    fake_kvasir_download(tmp_path / 'dl', sorted(train + val))
+    out = tmp_path / 'out'
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(out), '--split', 'kcla-paper',
+                        '--image-format', 'jpg']) == 0
+    splits = split_names(out)
+    assert set(splits) == {'train', 'val'}
+    assert sorted(splits['train']) == sorted(osp.splitext(n)[0] for n in train)
+    assert sorted(splits['val']) == sorted(osp.splitext(n)[0] for n in val)
+    assert listing(out, 'val', 'images') == sorted(splits['val'])
+    assert json.loads((out / 'stats.json').read_text())['split'] == 'kcla-paper'
+
+
+def test_kcla_paper_names_missing_and_uncovered_images(tmp_path, kvasir, capsys):
+    train, val = kcla_list('train'), kcla_list('val')
+    missing = [train[5], val[7]]
+    extra = 'cju0000000000000000000000.jpg'
+    present = [n for n in train + val if n not in missing] + [extra]
+    fake_kvasir_download(tmp_path / 'dl', present)
+    out = tmp_path / 'out'
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(out), '--split', 'kcla-paper']) == 1
+    err = capsys.readouterr().err
+    assert '3 bad inputs' in err
+    assert f'{missing[0][:-4]}: listed as train in --split kcla-paper but not found' in err
+    assert f'{missing[1][:-4]}: listed as val in --split kcla-paper but not found' in err
+    assert f'{extra[:-4]}: not listed in --split kcla-paper' in err
+    assert not out.exists()
+    # --skip-bad converts the 998 listed images found and lists the other three.
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(out), '--split', 'kcla-paper',
+                        '--skip-bad', '--image-format', 'jpg']) == 0
+    splits = split_names(out)
+    assert (len(splits['train']), len(splits['val'])) == (699, 299)
+    skipped = (out / 'skipped.txt').read_text()
+    assert all(n[:-4] in skipped for n in missing + [extra])
+
+
+def test_named_split_without_its_lists_fails_clearly(tmp_path, kvasir, capsys, monkeypatch):
+    monkeypatch.setitem(kvasir.NAMED_SPLITS, 'kcla-paper', str(tmp_path / 'no_lists'))
+    fake_kvasir_download(tmp_path / 'dl', ['cju0qkwl35piu0993l0dewei2.jpg'])
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(tmp_path / 'out'),
+                        '--split', 'kcla-paper']) == 1
+    err = capsys.readouterr().err
+    assert 'not shipped' in err and str(tmp_path / 'no_lists') in err
+
+
+def test_name_lists_reject_a_name_in_two_splits(tmp_path, kvasir, capsys, monkeypatch):
+    lists = tmp_path / 'lists'
+    lists.mkdir()
+    (lists / 'train.txt').write_text('a.jpg\nb.jpg\n')
+    (lists / 'val.txt').write_text('# comment\n\nb.jpg\n')
+    monkeypatch.setitem(kvasir.NAMED_SPLITS, 'kcla-paper', str(lists))
+    fake_kvasir_download(tmp_path / 'dl', ['a.jpg', 'b.jpg'])
+    assert kvasir.main([str(tmp_path / 'dl'), '--out', str(tmp_path / 'out'),
+                        '--split', 'kcla-paper']) == 1
+    assert f'{lists / "val.txt"}:3: b is also listed at {lists / "train.txt"}:2' \
+        in capsys.readouterr().err
 
 
 def make_bad_download(tmp_path, kinds=('no_mask', 'orphan', 'wrong_size', 'broken')):

@@ -1,8 +1,9 @@
 """Shared logic of the ISIC 2017/2018 and Kvasir-SEG converters.
 
 A converter finds image/mask pairs in an official download, assigns each pair
-to a split (the official one, a seeded random one, or one read from a file),
-and writes the prepared layout read by ``kcla_mm.datasets.medical``::
+to a split (the official one, a seeded random one, one read from a file, or
+a published split shipped as name lists under ``splits/``), and writes the
+prepared layout read by ``kcla_mm.datasets.medical``::
 
     OUT/images/{train,val,test}/NAME.png   (``--image-format jpg``: the original bytes)
     OUT/masks/{train,val,test}/NAME.png    uint8 0/1 (mask >= --mask-threshold)
@@ -12,9 +13,9 @@ and writes the prepared layout read by ``kcla_mm.datasets.medical``::
 
 Bad inputs (an image without a mask, a mask without an image, a mask whose
 size differs from its image, an unreadable file, a name missing from or
-unknown to the split file) are all reported by name. By default any of them
-fails the conversion (exit status 1); ``--skip-bad`` converts the rest and
-lists the others in ``skipped.txt``.
+unknown to the split file or lists) are all reported by name. By default any
+of them fails the conversion (exit status 1); ``--skip-bad`` converts the rest
+and lists the others in ``skipped.txt``.
 """
 import argparse
 import json
@@ -131,18 +132,90 @@ def read_split_file(path: str) -> Dict[str, str]:
     return assignment
 
 
-def random_split(names: Iterable[str], ratio: float, seed: int) -> Dict[str, str]:
-    """Seeded train/val split: ``round(ratio * n)`` names go to train.
+def _list_name(entry: str) -> str:
+    """``NAME`` of a listed ``NAME.jpg`` (or of a bare name, which may contain dots)."""
+    name, ext = osp.splitext(osp.basename(entry))
+    return name if ext.lower() in IMAGE_EXTS else osp.basename(entry)
 
-    The order is that of Python's ``random.Random(seed).shuffle`` on the sorted
-    names, so the split depends only on the set of names and the seed.
+
+def read_name_lists(lists: Dict[str, str]) -> Dict[str, str]:
+    """``{name: split}`` from one file of names per split (``{split: path}``).
+
+    Each file holds one image file name per line (``cju0qkwl35piu0993l0dewei2.jpg``;
+    extensions stripped, blank lines and ``#`` comments skipped), the form in
+    which papers publish their splits.
+
+    Raises:
+        ConversionError: a missing file, a split other than train/val/test, or
+            a name listed twice.
+    """
+    assignment: Dict[str, str] = {}
+    where: Dict[str, str] = {}
+    for split, path in lists.items():
+        if split not in SPLITS:
+            raise ConversionError(f'{path}: split {split!r} is not one of {SPLITS}')
+        if not osp.isfile(path):
+            raise ConversionError(f'name list {path!r} of the {split} split does not exist')
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                entry = line.split('#', 1)[0].strip()
+                if not entry:
+                    continue
+                if len(entry.split()) != 1:
+                    raise ConversionError(f'{path}:{lineno}: expected one file name, '
+                                          f'got {entry!r}')
+                name = _list_name(entry)
+                if name in assignment:
+                    raise ConversionError(f'{path}:{lineno}: {name} is also listed at '
+                                          f'{where[name]}')
+                assignment[name] = split
+                where[name] = f'{path}:{lineno}'
+    return assignment
+
+
+def listed_assignment(pairs: Sequence[Pair], listed: Dict[str, str], source: str,
+                      files: Dict[str, str]) -> Tuple[Dict[str, str], List[Problem]]:
+    """Split of each pair as ``listed``; names the download lacks and pairs not listed.
+
+    Args:
+        pairs: all pairs found.
+        listed: ``{name: split}`` of a split file or of name lists.
+        source: what ``listed`` came from, for the messages.
+        files: ``{split: file}`` the names of each split were read from.
+
+    Returns:
+        ``{name: split}`` of the listed pairs found, and one problem for each
+        listed name missing from the download and each pair not listed.
+    """
+    by_name = {p.name: p for p in pairs}
+    problems = [Problem(n, files[listed[n]], f'listed as {listed[n]} in {source} but not '
+                        'found in the download (or it has a bad input reported above)')
+                for n in sorted(listed) if n not in by_name]
+    problems += [Problem(p.name, p.image, f'not listed in {source}')
+                 for p in pairs if p.name not in listed]
+    return {n: s for n, s in listed.items() if n in by_name}, problems
+
+
+def random_split(names: Iterable[str], ratio: float, seed: int,
+                 test_ratio: float = 0.0) -> Dict[str, str]:
+    """Seeded train/val(/test) split.
+
+    The names are sorted and shuffled by Python's ``random.Random(seed)``; the
+    first ``round(ratio * n)`` go to train, the last ``round(test_ratio * n)``
+    to test, the rest to val. The split depends only on the set of names and
+    the arguments, and the train set does not depend on ``test_ratio``.
     """
     if not 0 < ratio < 1:
         raise ConversionError(f'--ratio must be in (0, 1), got {ratio}')
+    if not 0 <= test_ratio or ratio + test_ratio > 1 - 1e-9:
+        raise ConversionError(f'--test-ratio must be in [0, 1 - ratio) to leave a val split, '
+                              f'got {test_ratio} with --ratio {ratio}')
     names = sorted(names)
     random.Random(seed).shuffle(names)
     n_train = int(round(ratio * len(names)))
-    return {n: ('train' if i < n_train else 'val') for i, n in enumerate(names)}
+    n_test = int(round(test_ratio * len(names)))
+    return {n: ('train' if i < n_train else 'test' if i >= len(names) - n_test else 'val')
+            for i, n in enumerate(names)}
 
 
 Assignment = Tuple[Dict[str, str], List[Problem]]
@@ -154,31 +227,38 @@ def assign_splits(pairs: Sequence[Pair], args: argparse.Namespace, official: Dic
 
     Args:
         pairs: all pairs found.
-        args: parsed arguments (``split``, ``ratio``, ``seed``, ``split_file``).
+        args: parsed arguments (``split``, ``ratio``, ``test_ratio``, ``seed``,
+            ``split_file``, and ``split_lists``: ``{split: path}`` of a named split).
         official: ``{source: split}`` of the official sets (ISIC), empty if none.
         pool: sources split at random in ``random`` mode; pairs of other
             sources keep their official split.
 
     Returns:
-        ``{name: split}`` and problems (pairs not in / names unknown to a split file).
+        ``{name: split}`` and problems (pairs not in / names unknown to a split
+        file or named lists).
     """
-    problems: List[Problem] = []
     if args.split == 'file':
-        listed = read_split_file(args.split_file)
-        by_name = {p.name: p for p in pairs}
-        problems += [Problem(n, args.split_file, 'listed in the split file but not found in '
-                             'the download (or it has a bad input reported above)')
-                     for n in sorted(listed) if n not in by_name]
-        problems += [Problem(p.name, p.image, 'not listed in the split file')
-                     for p in pairs if p.name not in listed]
-        return {n: s for n, s in listed.items() if n in by_name}, problems
+        return listed_assignment(pairs, read_split_file(args.split_file), 'the split file',
+                                 {s: args.split_file for s in SPLITS})
+    lists = getattr(args, 'split_lists', None)
+    if lists is not None:
+        return listed_assignment(pairs, read_name_lists(lists), f'--split {args.split}', lists)
     if args.split == 'official':
-        return {p.name: official[p.source] for p in pairs}, problems
-    assignment = random_split([p.name for p in pairs if p.source in pool], args.ratio, args.seed)
+        return {p.name: official[p.source] for p in pairs}, []
+    if args.test_ratio > 0:
+        official_test = sorted({p.source for p in pairs
+                                if p.source not in pool and official.get(p.source) == 'test'})
+        if official_test:
+            raise ConversionError(f'--test-ratio {args.test_ratio} would put part of the pool '
+                                  f'into test beside the official {official_test}; leave out '
+                                  '--test-ratio (the official set is the test split) or add '
+                                  'the set to --pool')
+    assignment = random_split([p.name for p in pairs if p.source in pool], args.ratio, args.seed,
+                              args.test_ratio)
     for p in pairs:
         if p.source not in pool:
             assignment[p.name] = official[p.source]
-    return assignment, problems
+    return assignment, []
 
 
 def _convert_one(job: Tuple[Pair, str, str, str, int]) -> Tuple[str, str, Optional[str],
@@ -267,7 +347,8 @@ def convert(pairs: Sequence[Pair], problems: List[Problem], args: argparse.Names
     train = [s for _, split, e, s in results if e is None and split == 'train']
     stats: Dict = dict(counts={s: sum(1 for _, split in written if split == s) for s in SPLITS},
                        skipped=len(problems), split=args.split, seed=args.seed,
-                       ratio=args.ratio, mask_threshold=args.mask_threshold)
+                       ratio=args.ratio, test_ratio=args.test_ratio,
+                       mask_threshold=args.mask_threshold)
     if train:
         total = np.sum(train, axis=0)
         mean = total[1:4] / total[0]
@@ -281,7 +362,14 @@ def convert(pairs: Sequence[Pair], problems: List[Problem], args: argparse.Names
 
 def build_parser(dataset: str, splits: Sequence[str], default_split: str,
                  description: str) -> argparse.ArgumentParser:
-    """The command line shared by all converters."""
+    """The command line shared by all converters.
+
+    Args:
+        dataset: the default output is ``data/DATASET``.
+        splits: the ``--split`` modes of this converter besides ``file``.
+        default_split: the default ``--split``.
+        description: ``--help`` text.
+    """
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('src', help='folder the official download unpacked to')
@@ -291,6 +379,9 @@ def build_parser(dataset: str, splits: Sequence[str], default_split: str,
                         help=f'how to split (default {default_split}); "file" reads --split-file')
     parser.add_argument('--ratio', type=float, default=0.7,
                         help='train fraction of the random split (default 0.7)')
+    parser.add_argument('--test-ratio', type=float, default=0.0,
+                        help='test fraction of the random split (default 0: train/val only); '
+                        'val gets the rest, e.g. --ratio 0.7 --test-ratio 0.15 for 70/15/15')
     parser.add_argument('--seed', type=int, default=0, help='seed of the random split')
     parser.add_argument('--split-file', default=None,
                         help='"NAME SPLIT" lines (e.g. a splits.txt written before); '
@@ -318,6 +409,12 @@ def finish_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         parser.error('--split file needs --split-file')
     if not 0 < args.ratio < 1:
         parser.error(f'--ratio must be in (0, 1), got {args.ratio}')
+    if not 0 <= args.test_ratio or args.ratio + args.test_ratio > 1 - 1e-9:
+        parser.error(f'--test-ratio must be in [0, 1 - ratio) to leave a val split, got '
+                     f'{args.test_ratio} with --ratio {args.ratio}')
+    if args.test_ratio > 0 and args.split != 'random':
+        parser.error(f'--test-ratio applies to --split random, not --split {args.split} '
+                     '(a split file may list test names)')
     if not 1 <= args.mask_threshold <= 255:
         parser.error(f'--mask-threshold must be in [1, 255], got {args.mask_threshold}')
     if not osp.isdir(args.src):
