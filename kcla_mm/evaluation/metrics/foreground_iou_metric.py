@@ -1,13 +1,21 @@
-"""Foreground IoU and Dice (DSC) from one global confusion matrix.
+"""Binary segmentation scores of the medical papers: pooled and per image.
 
-The convention of the medical segmentation papers KCLA reports against
-(e.g. MALUNet, EGE-UNet on ISIC2017/2018): every pixel of every validation
-image is thresholded at 0.5 and counted in *one* binary confusion matrix;
-then ``IoU = TP / (TP + FP + FN)`` and ``DSC = 2TP / (2TP + FP + FN)`` of the
-foreground class. This differs from mmseg's ``IoUMetric`` ``mIoU``/``mDice``,
-which average the per-class scores of background and foreground; configs
-report both, under different names (``fg_IoU``/``fg_DSC`` here, ``mIoU``/
-``mDice`` there).
+Two conventions are in use for the same datasets, and they give different
+numbers:
+
+- **Pooled** (``fg_*``): every pixel of every evaluated image is thresholded
+  and counted in *one* binary confusion matrix, then ``IoU = TP / (TP + FP +
+  FN)``, ``DSC = 2TP / (2TP + FP + FN)``, ``Acc = (TP + TN) / N``, ``Sen =
+  TP / (TP + FN)`` (recall of the foreground), ``Spe = TN / (TN + FP)``. This
+  is the convention of the papers KCLA reports against on ISIC 2017/2018 and
+  Kvasir-SEG (MALUNet, EGE-UNet, whose evaluation code KCLA's builds on).
+- **Per image** (``img_*``): Dice and IoU of each image on its own, then
+  averaged over images: the PraNet evaluation convention, under which most
+  Kvasir-SEG tables report ``mDice``/``mIoU``.
+
+Both differ from mmseg's ``IoUMetric`` ``mIoU``/``mDice``, which average the
+pooled scores of the background and foreground classes; configs report all
+of them, under different names.
 """
 import math
 from typing import Dict, List, Optional, Sequence
@@ -71,20 +79,87 @@ def foreground_scores(counts: np.ndarray) -> Dict[str, float]:
     return dict(fg_IoU=100.0 * tp / (tp + fp + fn), fg_DSC=100.0 * 2 * tp / (2 * tp + fp + fn))
 
 
+def _percent(num: int, den: int) -> float:
+    return 100.0 * num / den if den else math.nan
+
+
+def pixel_scores(counts: np.ndarray) -> Dict[str, float]:
+    """Accuracy, sensitivity and specificity (percent) of a confusion matrix.
+
+    Args:
+        counts: ``[TP, FP, FN, TN]``.
+
+    Returns:
+        ``fg_Acc = (TP + TN) / (TP + FP + FN + TN)``, ``fg_Sen = TP / (TP + FN)``
+        (foreground recall) and ``fg_Spe = TN / (TN + FP)`` (background
+        recall), each NaN where its denominator is 0.
+    """
+    tp, fp, fn, tn = (int(c) for c in counts)
+    return dict(fg_Acc=_percent(tp + tn, tp + fp + fn + tn), fg_Sen=_percent(tp, tp + fn),
+                fg_Spe=_percent(tn, tn + fp))
+
+
+#: ``empty_image`` choices: how an image with no foreground in the mask and
+#: none in the prediction enters the per-image means.
+EMPTY_IMAGE_RULES = ('perfect', 'exclude')
+
+
+def per_image_scores(counts: np.ndarray, empty_image: str = 'perfect') -> Dict[str, float]:
+    """Mean over images of each image's own Dice and IoU (percent).
+
+    Args:
+        counts: ``[num_images, 4]`` per-image ``[TP, FP, FN, TN]``.
+        empty_image: an image with an empty mask and an empty prediction
+            (``TP + FP + FN = 0``) scores 100 (``'perfect'``: the prediction
+            is exactly right) or is left out of both means (``'exclude'``).
+            An empty mask with any predicted foreground scores 0 either way.
+
+    Returns:
+        ``img_mDice`` and ``img_mIoU``; NaN if no image is counted.
+    """
+    if empty_image not in EMPTY_IMAGE_RULES:
+        raise ValueError(f'empty_image must be one of {EMPTY_IMAGE_RULES}, '
+                         f'got {empty_image!r}')
+    counts = np.asarray(counts, dtype=np.float64).reshape(-1, 4)
+    tp, fp, fn = counts[:, 0], counts[:, 1], counts[:, 2]
+    union = tp + fp + fn
+    empty = union == 0
+    keep = ~empty if empty_image == 'exclude' else np.ones_like(empty)
+    if not keep.any():
+        return dict(img_mDice=math.nan, img_mIoU=math.nan)
+    safe = np.where(empty, 1.0, union)
+    dice = np.where(empty, 1.0, 2 * tp / (safe + tp))
+    iou = np.where(empty, 1.0, tp / safe)
+    return dict(img_mDice=100.0 * float(dice[keep].mean()),
+                img_mIoU=100.0 * float(iou[keep].mean()))
+
+
 class ForegroundIoUMetric(BaseMetric):
-    """Foreground IoU and DSC over all pixels of the evaluation set.
+    """Binary segmentation scores: pooled over all pixels and averaged per image.
 
     The foreground probability comes from the model's ``seg_logits`` (mmseg
     stores sigmoid probabilities for ``out_channels=1`` and raw logits for two
     channels, which are softmaxed here), thresholded at ``threshold``
     regardless of the decode head's own ``threshold``. Samples without
-    ``seg_logits`` fall back to ``pred_sem_seg == 1``.
+    ``seg_logits`` fall back to ``pred_sem_seg == 1``. Every score below
+    comes from the same per-image confusion counts at that threshold, with
+    ``ignore_index`` pixels left out.
 
-    Keys: ``fg_IoU`` and ``fg_DSC`` in percent (plus ``prefix/`` if set).
+    Keys (percent, plus ``prefix/`` if set):
+
+    - ``fg_IoU``, ``fg_DSC``, ``fg_Acc``, ``fg_Sen``, ``fg_Spe``: pooled, from
+      one confusion matrix summed over all pixels of all images (EGE-UNet's
+      IoU, DSC, accuracy, sensitivity and specificity).
+    - ``img_mDice``, ``img_mIoU``: each image's Dice/IoU, averaged over the
+      images (PraNet's mDice/mIoU); see ``empty_image``.
 
     Args:
         threshold: foreground if the probability is above it (0.5 in the papers).
         ignore_index: label value excluded from the counts.
+        empty_image: ``'perfect'`` (default): an image with an empty mask and
+            an empty prediction scores 100 in the per-image means;
+            ``'exclude'``: such images are left out of them. An empty mask
+            with predicted foreground scores 0 either way.
         collect_device: ``'cpu'`` or ``'gpu'`` for collecting across ranks.
         prefix: prefix of the metric names.
     """
@@ -92,13 +167,18 @@ class ForegroundIoUMetric(BaseMetric):
     def __init__(self,
                  threshold: float = 0.5,
                  ignore_index: int = 255,
+                 empty_image: str = 'perfect',
                  collect_device: str = 'cpu',
                  prefix: Optional[str] = None) -> None:
         super().__init__(collect_device=collect_device, prefix=prefix)
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f'threshold must be in [0, 1), got threshold={threshold!r}')
+        if empty_image not in EMPTY_IMAGE_RULES:
+            raise ValueError(f'empty_image must be one of {EMPTY_IMAGE_RULES}, '
+                             f'got empty_image={empty_image!r}')
         self.threshold = threshold
         self.ignore_index = ignore_index
+        self.empty_image = empty_image
 
     @staticmethod
     def foreground_prob(data_sample: dict) -> Tensor:
@@ -132,19 +212,28 @@ class ForegroundIoUMetric(BaseMetric):
             self.results.append(counts)
 
     def compute_metrics(self, results: List[np.ndarray]) -> Dict[str, float]:
-        """Scores of the summed confusion matrix.
+        """Pooled scores of the summed confusion matrix and per-image means.
 
         Args:
             results: per-image ``[TP, FP, FN, TN]``.
 
         Returns:
-            ``fg_IoU`` and ``fg_DSC`` in percent.
+            ``fg_IoU``, ``fg_DSC``, ``fg_Acc``, ``fg_Sen``, ``fg_Spe``,
+            ``img_mDice`` and ``img_mIoU`` in percent.
         """
-        counts = np.sum(np.stack(results), axis=0) if results else np.zeros(4, np.int64)
+        per_image = np.stack(results) if results else np.zeros((0, 4), np.int64)
+        counts = per_image.sum(axis=0)
         scores = foreground_scores(counts)
+        scores.update(pixel_scores(counts))
+        scores.update(per_image_scores(per_image, self.empty_image))
+        empty = int(((per_image[:, 0] + per_image[:, 2]) == 0).sum())
         logger = MMLogger.get_current_instance()
         matrix = ', '.join(f'{n}={int(c)}' for n, c in zip(COUNT_NAMES, counts))
+        pooled = ', '.join(f'{k}={scores[k]:.2f}'
+                           for k in ('fg_IoU', 'fg_DSC', 'fg_Acc', 'fg_Sen', 'fg_Spe'))
         logger.info(f'foreground confusion matrix over {len(results)} images at threshold '
-                    f'{self.threshold}: {matrix}; fg_IoU={scores["fg_IoU"]:.2f}, '
-                    f'fg_DSC={scores["fg_DSC"]:.2f}')
+                    f'{self.threshold}: {matrix}; pooled over all pixels: {pooled}')
+        logger.info(f'per image, then averaged over {len(results)} images ({empty} with an '
+                    f'empty mask, empty_image={self.empty_image!r}): '
+                    f'img_mDice={scores["img_mDice"]:.2f}, img_mIoU={scores["img_mIoU"]:.2f}')
         return scores
