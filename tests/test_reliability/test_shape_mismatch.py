@@ -5,7 +5,8 @@ mmengine (``load_checkpoint``, ``init_cfg=dict(type='Pretrained')``,
 the model's shape, and keeps the model's values for them: right for
 fine-tuning with a new head. Where every tensor must load (testing, resuming)
 :class:`CheckpointShapeCheckHook` turns the mismatch into an error before
-anything is loaded.
+anything is loaded; ``tools/test.py`` registers it (``--allow-shape-mismatch``
+makes it a warning).
 """
 import logging
 import re
@@ -17,7 +18,7 @@ from mmengine.logging import MMLogger
 from mmengine.registry import init_default_scope
 from mmengine.runner import Runner
 from mmengine.runner.checkpoint import load_checkpoint
-from reliability_utils import TRAIN, run_script, write_seg_config, write_seg_data
+from reliability_utils import TEST, TRAIN, run_script, write_seg_config, write_seg_data
 
 from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg
 from kcla_mm.utils.checkpoint import CheckpointShapeError, check_checkpoint_shapes
@@ -163,3 +164,24 @@ def test_the_shape_check_hook_refuses_before_loading(tmp_path, seg, mode):
         e.value)
     if mode == 'test':  # (train() initialises the weights before it loads)
         assert torch.equal(runner.model.backbone.conv1.weight, before)
+
+
+@pytest.mark.parametrize('allow', [False, True], ids=['default', '--allow-shape-mismatch'])
+def test_tools_test_refuses_a_checkpoint_of_another_model(tmp_path, monkeypatch, seg, allow):
+    cfg_path, ckpt = seg
+    work = tmp_path / 'work'
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    argv = [cfg_path, ckpt, '--work-dir', str(work)] + (['--allow-shape-mismatch'] * allow)
+    listed = ['backbone.conv1.weight: checkpoint [16, 3, 7, 7], model [8, 3, 7, 7]',
+              'decode_head.conv_seg.weight: checkpoint [2, 8, 1, 1], model [1, 8, 1, 1]']
+    if not allow:
+        with pytest.raises(CheckpointShapeError) as e:
+            run_script(TEST, argv, monkeypatch)
+        assert all(line in str(e.value) for line in listed)
+        return
+    run_script(TEST, argv, monkeypatch)  # evaluates; the list is a warning in the log
+    (log, ) = work.glob('*/*.log')
+    text = log.read_text()
+    assert 'WARNING' in text and 'does not fit the model' in text
+    assert all(line in text for line in listed)
+    assert 'mIoU' in text  # and the evaluation ran
