@@ -427,7 +427,7 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
         channels_last: bool = False,
         count_flops_fn: Optional[Callable[[nn.Module, Tensor], Optional[int]]] = None,
         progress: Optional[Callable[[str], None]] = None,
-        inner: int = 1) -> Dict[Candidate, Result]:
+        inner: int = 1, amp: Optional[torch.dtype] = None) -> Dict[Candidate, Result]:
     """Measure every candidate, interleaved.
 
     Parameters, FLOPs (batch 1) and peak memory are measured once per
@@ -459,7 +459,15 @@ def run(candidates: Sequence[Candidate], models: Dict[Candidate, nn.Module],
             candidate gets its eager count.
         progress: called with a message after each step.
         inner: back-to-back runs per candidate and round (>= 1).
+        amp: run forwards and training steps (and the memory's step) under
+            ``torch.autocast`` to this dtype (``torch.float16``,
+            ``torch.bfloat16``); ``None``: in the parameters' dtype.
     """
+    if amp is not None:
+        with torch.autocast(device.type, dtype=amp):
+            return run(candidates, models, settings, device, repeats, warmup,
+                       channels_last=channels_last, count_flops_fn=count_flops_fn,
+                       progress=progress, inner=inner)
     if inner < 1:
         raise ValueError(f'inner must be >= 1, got inner={inner!r}')
     count_flops_fn = count_flops_fn or count_flops

@@ -27,6 +27,8 @@ import importlib
 import os
 from typing import Any, Iterator, Optional
 
+import torch
+
 ENV = 'KCLA_MM_CPU_KERNELS'
 
 _override: Optional[bool] = None
@@ -86,7 +88,8 @@ def fused_call(op: str, *args: Any) -> Any:
     Every fast path returns ``None`` where it does not apply to its inputs;
     the caller then computes the plain way.
     """
-    if not use_fused_kernels():
-        return None
+    compiler = getattr(torch, 'compiler', None)
+    if not use_fused_kernels() or (compiler is not None and compiler.is_compiling()):
+        return None  # (torch.compile traces the plain ops)
     backend = fused_backend()
     return None if backend is None else getattr(backend, op)(*args)

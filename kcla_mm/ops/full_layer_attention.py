@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
-                      check_input, eca_conv, per_channel, pooled_qk, value_conv)
+                     check_input, eca_conv, per_channel, pooled_qk, value_conv)
 
 
 class FullLayerAttentionState(NamedTuple):

@@ -24,20 +24,27 @@ the fast paths (:func:`kcla_mm.ops.config.fused_call`), which return ``None``
 where they do not apply.
 """
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path,
-                     check_heads, check_input, eca, eca_conv, fold_norm, global_pool, per_channel,
-                     pooled_qk, value_conv)
+from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
+                     check_input, eca, eca_conv, fold_norm, global_pool, per_channel, pooled_qk,
+                     value_conv)
 from .config import fused_call
 from .kcla_state import KCLAState
 from .recompute import RecomputedTail, compiling, recomputable
 
 __all__ = ['KCLA', 'KCLAState', 'log_uniform_inverse_temperatures']
+
+_SYNC_BN_NOTE = (
+    'KCLA with SyncBatchNorm keeps autograd\'s intermediates of its tail (about 2.5x the '
+    'activation memory of the tail per block): the memory-saving recomputation would need '
+    'the forward pass\'s synchronised batch statistics, which SyncBatchNorm does not expose. '
+    'Values are unaffected; use norm_cfg=dict(type=\'BN\') in the backbone to save the memory')
 
 
 def log_uniform_inverse_temperatures(num_heads: int,
@@ -162,7 +169,12 @@ class KCLA(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         super()._apply(fn, *args, **kwargs)
-        self.inv_tau = self.inv_tau.to(self.wq.weight.device, torch.float64)
+        # NOTE: rebuilt, not converted: the temperatures are a function of
+        # (G, temperature_range), so ``to_empty()`` after meta-device init
+        # gives their values, not uninitialised memory, and ``.half()`` never
+        # rounds them
+        self.inv_tau = log_uniform_inverse_temperatures(
+            self.num_heads, self.temperature_range).to(self.wq.weight.device)
         return self
 
     def reset_parameters(self) -> None:
@@ -259,7 +271,8 @@ class KCLA(nn.Module):
             keep: drop-path mask ``[B, 1, 1, 1]`` already divided by the keep
                 probability, or ``None``.
             recompute: batch statistics only (the backward pass of
-                :class:`~kcla_mm.ops.recompute.RecomputedTail`; running statistics were updated once).
+                :class:`~kcla_mm.ops.recompute.RecomputedTail`; running
+                statistics were updated once).
             reuse_prev: write the new mean into ``prev`` (no autograd; see
                 ``reuse_state`` of :meth:`forward`).
 
@@ -274,8 +287,9 @@ class KCLA(nn.Module):
             mean = torch.lerp(prev, x, beta)
         v = F.conv2d(mean, wv_weight, padding=1, groups=self.channels)  # [B, C, H, W]
         # eval-mode BN: one pass, in place when nothing differentiates through it
-        o = fold_norm(self.norm, v, scale, norm_weight, norm_bias,
-                      inplace=not (torch.is_grad_enabled() and v.requires_grad))
+        # (not under torch.compile: dynamo gives up on an out= argument)
+        inplace = not (torch.is_grad_enabled() and v.requires_grad) and not compiling()
+        o = fold_norm(self.norm, v, scale, norm_weight, norm_bias, inplace=inplace)
         if o is None:
             if torch.is_grad_enabled() and v.requires_grad:
                 v = v * scale.to(v.dtype)
@@ -355,13 +369,15 @@ class KCLA(nn.Module):
         # NOTE: under torch.compile the plain path is traced instead: AOTAutograd's
         # partitioner makes its own recomputation choices, and dynamo cannot
         # trace the autograd.grad call inside RecomputedTail.backward.
-        if (self.training and torch.is_grad_enabled() and self.recompute_tail
-                and recomputable(self.norm) and not compiling()):
-            out, mean = RecomputedTail.apply(self, *args)
-        else:
-            reuse = (reuse_state and prev is not None and not torch.is_grad_enabled()
-                     and prev is not x and prev.stride() == x.stride())
-            out, mean = self.tail(*args, reuse_prev=reuse)
+        if self.training and torch.is_grad_enabled() and self.recompute_tail and not compiling():
+            if recomputable(self.norm):
+                out, mean = RecomputedTail.apply(self, *args)
+                return out, KCLAState(mean, log_z)
+            if isinstance(self.norm, nn.SyncBatchNorm):
+                warnings.warn(_SYNC_BN_NOTE, RuntimeWarning)
+        reuse = (reuse_state and prev is not None and not torch.is_grad_enabled()
+                 and prev is not x and prev.stride() == x.stride() and not compiling())
+        out, mean = self.tail(*args, reuse_prev=reuse)
         return out, KCLAState(mean, log_z)
 
     def extra_repr(self) -> str:

@@ -16,9 +16,8 @@ import torch
 import kcla_mm.analysis.benchmark as bench
 import kcla_mm.ops as ops
 from kcla_mm.analysis.benchmark import (THP_ENV, TUNED_ALLOCATOR_ENV, Candidate, LiveTensorBytes,
-                                        Result, Setting, build_backbone, markdown_table,
-                                        num_blocks, peak_train_memory, round_ratio_table,
-                                        round_ratios, run)
+                                        Result, Setting, build_backbone, markdown_table, num_blocks,
+                                        peak_train_memory, round_ratio_table, round_ratios, run)
 from kcla_mm.models.backbones.cifar_kcla_resnet import CifarKCLAResNet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -682,3 +681,18 @@ def _fused_kernels_built() -> bool:
     except ImportError:
         return False
     return build.available()
+
+
+@pytest.mark.parametrize('amp', [torch.bfloat16, None])
+def test_run_measures_under_autocast_when_asked(amp):
+    # --amp: every forward and training step of the run (the memory's too)
+    # under torch.autocast to the dtype; without it, none under autocast
+    seen = []
+    model = build_backbone('cifar', 8, 'KCLA', tiny=True)
+    model.register_forward_pre_hook(
+        lambda m, a: seen.append(torch.get_autocast_dtype('cpu')
+                                 if torch.is_autocast_enabled('cpu') else None))
+    c = Candidate('cifar', 8, 'KCLA')
+    run([c], {c: model}, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=1, warmup=1,
+        count_flops_fn=lambda m, x: None, amp=amp)
+    assert len(seen) >= 3 and set(seen) == {amp}

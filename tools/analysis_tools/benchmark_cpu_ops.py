@@ -14,23 +14,23 @@ stage transitions). "training total" is the four ``train_*`` kernels'.
 first: given the step's output, from which it takes
 ``x`` (``x_is_out``; giving it ``x`` instead would skip that work).
 ``--against DIR`` adds builds of other kernel
-sources (a ``kcla_mm/ops/csrc`` folder, e.g. of a ``git worktree`` at another
+sources (a ``kcla_mm/ops/fused/csrc`` folder, e.g. of a ``git worktree`` at another
 commit): each is compiled under its own op namespace, checked to compute
 what the installed build computes, and timed in the same rounds, so that two
 versions of a kernel compare on one machine at one time::
 
     git worktree add /tmp/before HEAD~1
     .venv/bin/python tools/analysis_tools/benchmark_cpu_ops.py \\
-        --against /tmp/before/kcla_mm/ops/csrc
+        --against /tmp/before/kcla_mm/ops/fused/csrc
 
 By default every call reads the same inputs, which then stay in the caches
 between calls; in a network most of a block's maps come from memory.
 ``--rotate-mb 600`` keeps copies of each stage's inputs, at least that many
 MB of them, and gives every call the next copy, so that each call reads its
 maps from memory (on an Intel Xeon with AVX-512 a prefetch in
-``train_apply`` measured 3% with the same inputs and 8-11% out of cache). Passing the same folder twice
-to ``--against`` builds it twice: an A/A pair, whose spread is the noise
-floor of the comparison.
+``train_apply`` measured 3% with the same inputs and 8-11% out of cache).
+Passing the same folder twice to ``--against`` builds it twice: an A/A pair,
+whose spread is the noise floor of the comparison.
 
 ``--per-element`` asks where an op's time goes instead, on one thread: per
 output element at stage 1's 256 channels, its time with all its maps in the
@@ -59,7 +59,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from kcla_mm.analysis.benchmark import allocator_description, restart_with_tuned_allocator
-from kcla_mm.ops import cpu_kernels
+from kcla_mm.ops.fused import build as cpu_kernels
 
 #: ResNet-50's stages: (channels, stride to the input, blocks)
 STAGES = ((256, 4, 3), (512, 8, 4), (1024, 16, 6), (2048, 32, 3))

@@ -61,16 +61,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from kcla_mm.analysis.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, Candidate, Setting,
-                               allocator_description, build_backbone, count_flops, cpu_features,
-                               cpu_name, dump_results, load_results, markdown_table, plot,
-                               pooled_ratio_table, restart_with_tuned_allocator, round_ratio_table,
-                               run)
+                                        allocator_description, build_backbone, count_flops,
+                                        cpu_features, cpu_name, dump_results, load_results,
+                                        markdown_table, plot, pooled_ratio_table,
+                                        restart_with_tuned_allocator, round_ratio_table, run)
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
              repeats=1, warmup=0, threads=1, inner=1)
 FULL = dict(depths=list(IMAGENET_DEPTHS), cifar_depths=list(CIFAR_DEPTHS), batch=4, size=224,
             cifar_batch=16, cifar_size=32, repeats=5, warmup=1, threads=None, inner=3)
-
 
 
 def _fused_kernels_available() -> bool:
@@ -79,6 +78,7 @@ def _fused_kernels_available() -> bool:
     except ImportError:  # the fast paths are optional
         return False
     return build.available()
+
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     doc = __doc__.split('\n\n')
@@ -122,13 +122,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      'channels-last with layer attention, NCHW without)')
     parser.add_argument('--default-allocator', action='store_true',
                         help='on CPU, keep the allocators\' default settings; by default the '
-                        'tool re-executes itself with kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV '
-                        '(huge pages, freed memory kept), the same for every candidate')
+                        'tool re-executes itself with '
+                        'kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV (huge pages, freed '
+                        'memory kept), the same for every candidate')
     parser.add_argument('--keep-attn-outputs', action='store_true',
                         help='build the backbones with recompute_attn_outputs=False: KCLA\'s '
                         'outputs kept for the backward pass instead of recomputed (more '
                         'memory, less time; with the fused CPU kernels only the first block\'s '
                         'output, the others are kept anyway)')
+    parser.add_argument('--amp', choices=('fp16', 'bf16'), default=None,
+                        help='run every forward and training step under torch.autocast to '
+                        'this dtype (mixed precision, as GPU users train); default: float32')
     parser.add_argument('--compile', action='store_true',
                         help='also measure every candidate through torch.compile')
     parser.add_argument('--no-elementwise', action='store_true',
@@ -207,14 +211,16 @@ def rerender(path: str, out_dir: str) -> Dict[Candidate, object]:
 #: key starts its header line): the machine (and threads), the input sizes,
 #: and the memory format (at the end of the line on the rounds)
 _POOL_KEYS = (('device: ', 'the device', True), ('ResNet: ', 'the input sizes', True),
-              ('memory format: ', 'the memory format', False))
+              ('memory format: ', 'the memory format', False),
+              ('precision: ', 'the precision', True))
 
 
 def _header_value(header: List[str], key: str, at_start: bool) -> Optional[str]:
     for line in header:
         if line.startswith(key) if at_start else key in line:
             return line[line.index(key) + len(key):]
-    return None
+    # runs written before the precision line existed ran in float32
+    return 'float32' if key == 'precision: ' else None
 
 
 def pool(paths: Sequence[str], out_dir: str) -> str:
@@ -315,6 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         f'fastest of {args.inner} back-to-back runs (eval()/train() called before them, '
         f'untimed; gradients reset to None over a parameter list, as an optimiser does); memory '
         f'format: {fmt}' + ('; torch.compile measured too' if args.compile else ''),
+        f'precision: {"autocast " + args.amp if args.amp else "float32"}',
         'FLOPs: not counted (--no-flops)' if args.no_flops else
         'FLOPs per image (batch 1), one multiply-add = 1' + (
             '' if args.no_elementwise else ', elementwise arithmetic counted'),
@@ -339,7 +346,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         print(line)
     results = run(candidates, models, settings, device, args.repeats, args.warmup,
                   channels_last=bool(args.channels_last), count_flops_fn=flops,
-                  progress=progress, inner=args.inner)
+                  progress=progress, inner=args.inner,
+                  amp={'fp16': torch.float16, 'bf16': torch.bfloat16}.get(args.amp))
     title = f'{device_description(device)}, CPU threads: {torch.get_num_threads()}'
     print(write_outputs(results, header, args.out_dir, title))
     with open(osp.join(args.out_dir, 'benchmark.json'), 'w') as f:

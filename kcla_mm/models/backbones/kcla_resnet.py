@@ -150,7 +150,13 @@ class KCLAResNetMixin:
             NCHW on CPU; converting only around it would make BatchNorm and the
             element-wise state update slow instead. The convolution weights
             are stored channels-last too (loading a checkpoint keeps that).
-            Values are unchanged.
+            Values are unchanged. Off by default with deformable convolutions
+            (``dcn``): mmcv's deformable kernels read their inputs as NCHW,
+            so ``True`` with ``dcn`` is refused.
+        check_finite: raise if the input holds NaN or Inf (one reduction).
+            Default ``None``: on for CPU inputs, off for GPU inputs, where
+            reading the result would wait for the device at every forward
+            (and make the backbone impossible to capture in a CUDA graph).
         recompute_attn_outputs: in training on the eager path (CUDA, AMP,
             float64, a CPU without the fused kernels), the next block's saved
             copies of each KCLA output (for its ``conv1`` and downsample
@@ -179,6 +185,7 @@ class KCLAResNetMixin:
                  head_dim: Optional[int] = None,
                  channels_last: Optional[bool] = None,
                  recompute_attn_outputs: bool = True,
+                 check_finite: Optional[bool] = None,
                  **kwargs) -> None:
         self._check_host_args(depth, kwargs)
         if not isinstance(recompute_attn_outputs, bool):
@@ -186,8 +193,15 @@ class KCLAResNetMixin:
                              f'recompute_attn_outputs={recompute_attn_outputs!r}')
         self.recompute_attn_outputs = recompute_attn_outputs
         self.layer_attn_cfg = _layer_attn_cfg(layer_attn)
-        self.channels_last = (layer_attn is not None) if channels_last is None \
+        dcn = kwargs.get('dcn') is not None
+        if channels_last and dcn:
+            raise ValueError('channels_last=True cannot be combined with dcn: mmcv\'s deformable '
+                             'convolutions read their inputs as NCHW; leave channels_last=None')
+        self.channels_last = (layer_attn is not None and not dcn) if channels_last is None \
             else bool(channels_last)
+        if check_finite not in (None, True, False):
+            raise ValueError(f'check_finite must be None, True or False, got {check_finite!r}')
+        self.check_finite = check_finite
         self.layer_attn_names = []
         super().__init__(depth=depth, **kwargs)
         if self.layer_attn_cfg is not None:
@@ -323,21 +337,26 @@ class KCLAResNetMixin:
             kwargs['block'] = self.attn_blocks.get(kwargs['block'], kwargs['block'])
         return super().make_res_layer(**kwargs)
 
-    def _attend(self, attn: nn.Module, x: Tensor, state):
+    def _attend(self, attn: nn.Module, x: Tensor, state, block_out_id: Optional[int] = None):
         if self.with_cp and x.requires_grad:
             return cp.checkpoint(attn, x, state, use_reentrant=False)
         # without autograd the backbone owns the states: the new one may take
-        # the old one's memory
-        return attn(x, state, reuse_state=not torch.is_grad_enabled())
+        # the old one's memory, unless that memory is the previous block's
+        # output (``block_out_id``), which a forward hook may hold (the first
+        # step's state is its block output)
+        reuse = (not torch.is_grad_enabled() and state is not None
+                 and not any(id(t) == block_out_id for t in state))
+        return attn(x, state, reuse_state=reuse)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, ...]:
         """Per-stage outputs for ``out_indices``; ``[B, C_s, H/2^(s+2), W/2^(s+2)]``.
 
         Raises:
-            ValueError: ``x`` holds NaN or Inf (checked eagerly; skipped while
-                tracing or compiling).
+            ValueError: ``x`` holds NaN or Inf (see ``check_finite``; skipped
+                while tracing or compiling).
         """
-        if not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        check = x.device.type == 'cpu' if self.check_finite is None else self.check_finite
+        if check and not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
             _check_finite(x, type(self).__name__)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -345,7 +364,7 @@ class KCLAResNetMixin:
             outs = super().forward(x)
             return tuple(_to_nchw(o) for o in outs) if self.channels_last else outs
         x = self._stem(x)
-        state = None
+        state, prev_block_out = None, None  # (the id of the previous block's output)
         outs = []
         recompute = self.recompute_attn_outputs and not self.with_cp
         for i, name in enumerate(self.res_layers):
@@ -355,7 +374,9 @@ class KCLAResNetMixin:
                 # operator can recompute them)
                 with saved_output_hooks(x) if recompute else nullcontext():
                     x = block(x)
-                x, state = self._attend(attn, x, state)
+                block_out = id(x)
+                x, state = self._attend(attn, x, state, prev_block_out)
+                prev_block_out = block_out
             if i in self.out_indices:
                 # NOTE: outputs leave NCHW-contiguous: mmcv's RoIAlign reads its
                 # input as NCHW and silently returns scrambled features for a

@@ -60,6 +60,8 @@ def kcla_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
         return None  # eval runs without autograd, training with it
     if not build.available():
         return None
+    if state is not None and not state.log_z.is_contiguous():
+        state = KCLAState(state.mean, state.log_z.contiguous())  # the kernels read it flat
     if layer.training:
         return _train_step(layer, x, state)
     return _eval_step(layer, x, state, reuse_state)
@@ -73,6 +75,8 @@ def _eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
     if not _foldable(member(layer, 'norm')) or _weight(layer, 'wv').dtype != torch.float32:
         return None
     if state is not None and state.mean.dtype != torch.float32:
+        return None
+    if state is not None and not layer.renorm and state.log_z.dtype != torch.float32:
         return None
     if state is not None and layer.renorm:
         if _adapts_in_eval_step(layer, x, state.mean):

@@ -282,8 +282,8 @@ def block_end_applicable(norm: nn.Module, res_norm: Optional[nn.Module], x: Tens
     if _cpu_autocast():
         return False
     for n in (norm, res_norm):
-        if n is not None and (not plain_batchnorm(n) or (n.training and x.shape[0] * x.shape[2]
-                                                          * x.shape[3] < 2)):
+        one_value = x.shape[0] * x.shape[2] * x.shape[3] < 2
+        if n is not None and (not plain_batchnorm(n) or (n.training and one_value)):
             return False
     return True
 

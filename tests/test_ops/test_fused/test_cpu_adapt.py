@@ -1,25 +1,33 @@
 """An init layer's adaptation of the incoming state by the fused CPU kernels.
 
-``adapt_forward`` / ``adapt_backward`` (``fused_tail_cpu.FusedAdapt``) compute
-``norm_u(adjust(m))`` and its global pool, and their gradients, in place of
-the strided grouped convolution, BatchNorm and the pool (spec section 5).
-Reference: those torch modules under autograd in float64.
+``adapt_forward`` / ``adapt_backward`` (``kcla_mm.ops.fused.cpu_autograd.FusedAdapt``)
+compute ``norm_u(adjust(m))`` and its global pool, and their gradients, in
+place of the strided grouped convolution, BatchNorm and the pool
+(``docs/method.md``, section 5). Reference: those torch modules under autograd
+in float64; for a whole init layer's step, the plain step in float64.
 """
 import copy
 
 import pytest
 import torch
 from torch import nn
-from utils import randomize_norms
+from utils import kernel_calls, randomize_norms
 
-import kcla_mm.ops.kcla as kmod
-from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
-from kcla_mm.ops import KCLA, KCLAState, cpu_kernels, fused_tail_cpu
+from kcla_mm.ops import KCLA, KCLAState, fused_kernels
+
+# the fused kernels are optional: without their folder these tests skip
+build = pytest.importorskip('kcla_mm.ops.fused.build')
 
 CL = torch.channels_last
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason=f'fused CPU kernels not built: {cpu_kernels.build_error()}')
+pytestmark = [
+    pytest.mark.skipif(not build.available(),
+                       reason=f'fused CPU kernels not built: {build.build_error()}'),
+    pytest.mark.usefixtures('one_thread'),
+]
+
+#: the adaptation's kernels, forward and backward
+ADAPT = ('adapt_forward', 'adapt_backward')
 
 
 def relative_error(got, want):
@@ -142,30 +150,35 @@ def make_init_layer(seed=0, momentum=0.1):
     return layer.train()
 
 
-def init_step(layer, mean, log_z, x, dtype, fused_training, monkeypatch):
-    """Output, state and every gradient and buffer of an init layer's training step."""
+def init_step(layer, mean, log_z, x, dtype, fused):
+    """Output, state and every gradient and buffer of an init layer's training step,
+    and the fused kernels it called (a ``Counter``; ``None`` in float64, where
+    the profiler would take seconds)."""
     layer = copy.deepcopy(layer).to(dtype)
+    if dtype == torch.float64:  # plain autograd, no recomputation at all
+        layer.recompute_tail = False
     mean = mean.to(dtype).contiguous(memory_format=CL).requires_grad_()
     log_z = log_z.clone().requires_grad_()
     x = x.to(dtype).contiguous(memory_format=CL).requires_grad_()
-    with monkeypatch.context() as mp:
-        mp.setattr(kmod, 'FUSED_TRAINING', fused_training)
-        if dtype == torch.float64:
-            mp.setattr(kmod, '_recomputable', lambda norm: False)
-        out, new = layer(x, KCLAState(mean, log_z))
-    g = torch.Generator().manual_seed(5)
-    w_out, w_mean = (torch.randn(out.shape, generator=g).to(dtype) for _ in range(2))
-    ((out * w_out).sum() + (new.mean * w_mean).sum() + new.log_z.float().sum()).backward()
-    res = {'out': out, 'mean': new.mean, 'log_z': new.log_z, 'grad x': x.grad,
-           'grad prev mean': mean.grad, 'grad prev log_z': log_z.grad}
-    res.update({f'grad {n}': p.grad for n, p in layer.named_parameters() if p.grad is not None})
-    res.update({n: b for n, b in layer.named_buffers() if 'running' in n or 'tracked' in n})
-    return res
+
+    def step():
+        with fused_kernels(fused):
+            out, new = layer(x, KCLAState(mean, log_z))
+        g = torch.Generator().manual_seed(5)
+        w_out, w_mean = (torch.randn(out.shape, generator=g).to(dtype) for _ in range(2))
+        ((out * w_out).sum() + (new.mean * w_mean).sum() + new.log_z.float().sum()).backward()
+        res = {'out': out, 'mean': new.mean, 'log_z': new.log_z, 'grad x': x.grad,
+               'grad prev mean': mean.grad, 'grad prev log_z': log_z.grad}
+        res.update({f'grad {n}': p.grad for n, p in layer.named_parameters()
+                    if p.grad is not None})
+        res.update({n: b for n, b in layer.named_buffers() if 'running' in n or 'tracked' in n})
+        return res
+
+    return kernel_calls(step) if dtype == torch.float32 else (step(), None)
 
 
 @pytest.mark.parametrize('momentum,norm_u_train', [(0.1, True), (None, True), (0.1, False)])
-def test_init_layer_training_step_adapts_by_the_kernels_as_accurately(
-        momentum, norm_u_train, monkeypatch):
+def test_init_layer_training_step_adapts_by_the_kernels_as_accurately(momentum, norm_u_train):
     # norm_u_train=False: a frozen norm_u (e.g. mmdet's norm_eval) reads its
     # running statistics and neither updates them nor counts the batch
     layer = make_init_layer(momentum=momentum)
@@ -174,15 +187,12 @@ def test_init_layer_training_step_adapts_by_the_kernels_as_accurately(
     mean = torch.randn(2, 64, 8, 8, generator=g) + 0.5
     log_z = torch.randn(2, 4, generator=g)  # the previous stage's 4 heads of 16 channels
     x = torch.rand(2, 128, 4, 4, generator=g)
-    applied = []
-    orig = fused_tail_cpu.FusedAdapt.apply
-    monkeypatch.setattr(fused_tail_cpu.FusedAdapt, 'apply',
-                        lambda *a: applied.append(1) or orig(*a))
-    want = init_step(layer, mean, log_z, x, torch.float64, False, monkeypatch)
-    eager32 = init_step(layer, mean, log_z, x, torch.float32, False, monkeypatch)
-    assert not applied
-    got = init_step(layer, mean, log_z, x, torch.float32, True, monkeypatch)
-    assert applied == [1]
+    want, _ = init_step(layer, mean, log_z, x, torch.float64, False)
+    plain32, kernels = init_step(layer, mean, log_z, x, torch.float32, False)
+    assert not kernels
+    got, kernels = init_step(layer, mean, log_z, x, torch.float32, True)
+    assert kernels == {'adapt_forward': 1, 'adapt_backward': 1, 'step_forward': 1,
+                       'step_backward': 1}
     assert got.keys() == want.keys()
     for k in want:
         if want[k] is None:  # the incoming log z: replaced by the re-keying
@@ -192,41 +202,43 @@ def test_init_layer_training_step_adapts_by_the_kernels_as_accurately(
             expected = 0 if k.startswith('norm_u') and not norm_u_train else 1
             assert int(got[k]) == int(want[k]) == expected, k
             continue
-        err, err32 = relative_error(got[k], want[k]), relative_error(eager32[k], want[k])
+        err, err32 = relative_error(got[k], want[k]), relative_error(plain32[k], want[k])
         assert err <= 4 * err32 + 1e-5, (k, err, err32)
 
 
-def test_backbone_training_adapts_at_each_stage_by_the_kernels(monkeypatch):
+def test_backbone_training_adapts_at_each_stage_by_the_kernels():
+    from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet  # needs mmdet
     model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
-    applied = []
-    orig = fused_tail_cpu.FusedAdapt.apply
-    monkeypatch.setattr(fused_tail_cpu.FusedAdapt, 'apply',
-                        lambda layer, *a: applied.append(layer) or orig(layer, *a))
-    outs = model(torch.rand(2, 3, 64, 64))
-    sum(o.sum() for o in outs).backward()
     init_layers = [m for m in model.layer_attn_modules() if m.adjust is not None]
-    assert applied == init_layers and len(applied) == 3
+    # a forward hook on each adjust convolution: called only where it runs as a module
+    adjusted = []
+    for m in init_layers:
+        m.adjust.register_forward_hook(lambda *a: adjusted.append(1))
+
+    def step():
+        outs = model(torch.rand(2, 3, 64, 64))
+        sum(o.sum() for o in outs).backward()
+
+    _, kernels = kernel_calls(step)
+    assert len(init_layers) == 3 and not adjusted
+    assert kernels['adapt_forward'] == kernels['adapt_backward'] == 3
     assert all(m.adjust.weight.grad is not None and m.norm_u.weight.grad is not None
                for m in init_layers)
 
 
-@pytest.mark.parametrize('case', ['float64', 'autocast', 'no_fused_training', 'no_grad'])
-def test_adapt_kernels_not_used_where_they_do_not_apply(case, monkeypatch):
+@pytest.mark.parametrize('case', ['float64', 'autocast', 'switched off', 'no_grad', 'nchw state'])
+def test_adapt_kernels_not_used_where_they_do_not_apply(case):
     layer = make_init_layer()
     mean = torch.randn(2, 64, 8, 8).contiguous(memory_format=CL)
     log_z, x = torch.randn(2, 4), torch.rand(2, 128, 4, 4).contiguous(memory_format=CL)
-    applied = []
-    orig = fused_tail_cpu.FusedAdapt.apply
-    monkeypatch.setattr(fused_tail_cpu.FusedAdapt, 'apply',
-                        lambda *a: applied.append(1) or orig(*a))
     if case == 'float64':
         layer, mean, log_z, x = layer.double(), mean.double(), log_z, x.double()
-    if case == 'no_fused_training':
-        monkeypatch.setattr(kmod, 'FUSED_TRAINING', False)
+    elif case == 'nchw state':
+        mean = mean.contiguous()
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=case == 'autocast'), \
-            torch.set_grad_enabled(case != 'no_grad'):
-        layer(x, KCLAState(mean, log_z))
-    assert not applied
+            torch.set_grad_enabled(case != 'no_grad'), fused_kernels(case != 'switched off'):
+        _, kernels = kernel_calls(layer, x, KCLAState(mean, log_z))
+    assert not kernels.keys() & set(ADAPT)
 
 
 def test_adapt_kernels_reject_bad_arguments():

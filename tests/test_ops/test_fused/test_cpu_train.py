@@ -1,15 +1,19 @@
-"""The fused CPU training step of KCLA's tail (``kcla_mm.ops.fused_tail_cpu``).
+"""The fused CPU training step of KCLA and of a residual block's end.
 
-Reference: plain autograd through the eager operator in float64 (the path
-``test_kcla.py`` checks against the naive reference). The fused float32 step
-must be as accurate as the eager float32 step (recomputed tail, the path it
-replaces), on outputs, the new state, every gradient and BatchNorm's running
-statistics; at the backbone level it gives the gradients of the recomputed
-path, with the block outputs recomputed for the next block's saved copies.
+``kcla_mm.ops.fused.cpu_autograd``: ``FusedStep`` (a whole training step),
+``BlockEnd`` and ``ResidualReluPool`` (a block's last norms, add and ReLU).
+References: ``kcla_mm.ops.kcla_reference`` in float64, and plain autograd
+through the plain operator (``kcla_mm.ops.fused_kernels(False)``) in float64.
+The fused float32 step must be as accurate as the plain float32 step
+(recomputed tail, the path it replaces), on outputs, the new state, every
+gradient and BatchNorm's running statistics; at the backbone level it gives
+the gradients of the plain path, with the first block output recomputed for
+the next block's saved copies.
 """
 import copy
 import functools
 import platform
+import weakref
 from pathlib import Path
 
 import pytest
@@ -17,91 +21,101 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from utils import Doubled, kcla_layer, randomize_norms, record_calls
+from utils import Doubled, kcla_layer, kernel_calls, kernels_called, randomize_norms
 
-import kcla_mm.models.backbones.kcla_resnet as kcla_resnet
-import kcla_mm.ops.kcla as kmod
-from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
-from kcla_mm.ops import (KCLA, KCLAState, cpu_kernels, fused_tail_cpu, residual_norm_relu_pool_,
-                         residual_relu_pool_)
+from kcla_mm.ops import KCLA, KCLAState, fused_kernels, residual_end
+from kcla_mm.ops.kcla_reference import as_state, kcla_step
+
+# the fused kernels are optional: without their folder these tests skip
+build = pytest.importorskip('kcla_mm.ops.fused.build')
+cpu_autograd = pytest.importorskip('kcla_mm.ops.fused.cpu_autograd')
 
 CL = torch.channels_last
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason=f'fused CPU kernels not built: {cpu_kernels.build_error()}')
+pytestmark = [
+    pytest.mark.skipif(not build.available(),
+                       reason=f'fused CPU kernels not built: {build.build_error()}'),
+    pytest.mark.usefixtures('one_thread'),
+]
 
-
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """Counts the tails the fused kernels compute in training."""
-    return record_calls(monkeypatch, fused_tail_cpu.FusedStep, 'apply',
-                        lambda args, kwargs, result: args[0])
+#: the kernels of one fused training step, forward and backward
+STEP = {'step_forward': 1, 'step_backward': 1}
 
 
 def cl(t):
     return t.contiguous(memory_format=CL)
 
 
-def train_step(layer, x, state, dtype, fused, monkeypatch, seed=3):
-    """Output, state and every gradient and buffer of one step on a copy of ``layer``."""
+def train_step(layer, x, state, dtype, fused, seed=3):
+    """Output, state and every gradient and buffer of one step on a copy of
+    ``layer``, and the fused kernels it called (a ``Counter``; ``None`` in
+    float64, where the profiler would take seconds)."""
     layer = copy.deepcopy(layer).to(dtype)
+    if dtype == torch.float64:  # plain autograd, no recomputation at all
+        layer.recompute_tail = False
     x = cl(x.to(dtype)).requires_grad_()
     if state is not None:
         state = KCLAState(cl(state.mean.to(dtype)).requires_grad_(),
                           state.log_z.clone().requires_grad_())
-    with monkeypatch.context() as m:
-        m.setattr(kmod, 'FUSED_TRAINING', fused)
-        if dtype == torch.float64:  # plain autograd, no recomputation at all
-            m.setattr(kmod, '_recomputable', lambda norm: False)
-        torch.manual_seed(seed)  # the same drop-path masks
-        out, new = layer(x, state)
-    g = torch.Generator().manual_seed(5)
-    w_out, w_mean = (torch.randn(out.shape, generator=g).to(dtype) for _ in range(2))
-    w_z = torch.randn(new.log_z.shape, generator=g).to(new.log_z.dtype)
-    ((out * w_out).sum() + (new.mean * w_mean).sum() + (new.log_z * w_z).sum()).backward()
-    res = {'out': out, 'mean': new.mean, 'log_z': new.log_z, 'grad x': x.grad}
-    if state is not None:
-        res['grad prev mean'], res['grad prev log_z'] = state.mean.grad, state.log_z.grad
-    res.update({f'grad {n}': p.grad for n, p in layer.named_parameters()})
-    res.update({n: b for n, b in layer.named_buffers() if 'running' in n})
-    return res
+
+    def step():
+        with fused_kernels(fused):
+            torch.manual_seed(seed)  # the same drop-path masks
+            out, new = layer(x, state)
+        g = torch.Generator().manual_seed(5)
+        w_out, w_mean = (torch.randn(out.shape, generator=g).to(dtype) for _ in range(2))
+        w_z = torch.randn(new.log_z.shape, generator=g).to(new.log_z.dtype)
+        ((out * w_out).sum() + (new.mean * w_mean).sum() + (new.log_z * w_z).sum()).backward()
+        res = {'out': out, 'mean': new.mean, 'log_z': new.log_z, 'grad x': x.grad}
+        if state is not None:
+            res['grad prev mean'], res['grad prev log_z'] = state.mean.grad, state.log_z.grad
+        res.update({f'grad {n}': p.grad for n, p in layer.named_parameters()})
+        res.update({n: b for n, b in layer.named_buffers() if 'running' in n})
+        return res
+
+    return kernel_calls(step) if dtype == torch.float32 else (step(), None)
 
 
 def relative_errors(got, want):
-    return {k: float((got[k].double() - w.double()).abs().max() / (w.double().abs().max() + 1e-12))
-            for k, w in want.items()}
+    return {k: float((got[k].detach().double() - w.detach().double()).abs().max()
+                     / (w.detach().double().abs().max() + 1e-12)) for k, w in want.items()}
 
 
-def make(channels, head_dim, drop_path=0.0, momentum=0.1, seed=0):
-    layer = kcla_layer(channels, head_dim, seed, drop_path=drop_path)
+def make(channels, head_dim, drop_path=0.0, momentum=0.1, seed=0, **kw):
+    layer = kcla_layer(channels, head_dim, seed, drop_path=drop_path, **kw)
     layer.norm.momentum = momentum
     return layer.train()
 
 
-def test_training_step_reads_parametrized_weights_as_the_module_does(monkeypatch, fused_calls):
+def test_training_step_reads_parametrized_weights_as_the_module_does():
     # the fused training step reads weights from the modules' own tables
     # (member()); a parametrized one (a property, not in _parameters) is read as
     # the module computes it, and its gradient flows back to the original (a
-    # parametrized norm is another class, which the kernels leave to the eager path)
-    layer, plain = make(64, 16), make(64, 16)
+    # parametrized norm is another class, which the kernels leave to the plain path)
+    layer, doubled = make(64, 16), make(64, 16)
     names = ('wv', 'wq', 'phi')
     for name in names:
         parametrize.register_parametrization(getattr(layer, name), 'weight', Doubled())
         with torch.no_grad():
-            getattr(plain, name).weight.mul_(2)
+            getattr(doubled, name).weight.mul_(2)
     g = torch.Generator().manual_seed(2)
     x = cl(torch.rand(2, 64, 5, 6, generator=g))
     state = KCLAState(cl(torch.randn(2, 64, 5, 6, generator=g)), torch.randn(2, 4, generator=g))
     w_out = torch.randn(2, 64, 5, 6, generator=g)
-    outs = []
-    for net in (plain, layer):
+
+    def step(net):
         out, new = net(x, state)
         ((out * w_out).sum() + new.mean.sum()).backward()
+        return out
+
+    outs = []
+    for net in (doubled, layer):
+        out, kernels = kernel_calls(step, net)
+        assert kernels == STEP
         outs.append(out)
-    assert len(fused_calls) == 2
     assert torch.equal(outs[0], outs[1])
     for name in names:  # w = 2 original: d/d original = 2 d/dw
-        want = getattr(plain, name).weight.grad * 2
+        want = getattr(doubled, name).weight.grad * 2
         got = getattr(layer, name).parametrizations.weight.original.grad
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -116,8 +130,8 @@ SHAPES = [(2, 64, 16, 8, 8), (1, 32, 16, 23, 5), (3, 48, 16, 5, 7), (1, 20, 4, 3
 @pytest.mark.parametrize('with_state', [False, True])
 @pytest.mark.parametrize('bn_train,drop_path,momentum', [(True, 0.0, 0.1), (True, 0.4, None),
                                                          (False, 0.0, 0.1)])
-def test_training_step_as_accurate_as_the_eager_step(shape, with_state, bn_train, drop_path,
-                                                     momentum, monkeypatch, fused_calls):
+def test_training_step_as_accurate_as_the_plain_step(shape, with_state, bn_train, drop_path,
+                                                     momentum):
     b, c, d, h, w = shape
     layer = make(c, d, drop_path, momentum)
     layer.norm.train(bn_train)  # eval-mode BN in a training layer: norm_eval
@@ -125,23 +139,94 @@ def test_training_step_as_accurate_as_the_eager_step(shape, with_state, bn_train
     x = torch.rand(b, c, h, w, generator=g) * 3
     state = KCLAState(torch.randn(b, c, h, w, generator=g),
                       torch.randn(b, c // d, generator=g) * 2 + 4) if with_state else None
-    want = train_step(layer, x, state, torch.float64, False, monkeypatch)
-    eager = train_step(layer, x, state, torch.float32, False, monkeypatch)
-    assert fused_calls == []
-    got = train_step(layer, x, state, torch.float32, True, monkeypatch)
-    assert len(fused_calls) == 1
+    want, _ = train_step(layer, x, state, torch.float64, False)
+    plain, kernels = train_step(layer, x, state, torch.float32, False)
+    assert not kernels
+    got, kernels = train_step(layer, x, state, torch.float32, True)
+    assert kernels == STEP
     assert got.keys() == want.keys() and all(v is not None for v in got.values())
-    err_fused, err_eager = relative_errors(got, want), relative_errors(eager, want)
+    err_fused, err_plain = relative_errors(got, want), relative_errors(plain, want)
     for k in want:
         # as accurate as float32 autograd (a wrong term would be off by far more)
-        assert err_fused[k] <= 4 * err_eager[k] + 2e-6, (k, err_fused[k], err_eager[k])
+        assert err_fused[k] <= 4 * err_plain[k] + 2e-6, (k, err_fused[k], err_plain[k])
         assert err_fused[k] < 2e-3, (k, err_fused[k])
     if bn_train:  # the running statistics moved, once
         assert not torch.equal(got['norm.running_mean'], layer.norm.running_mean)
 
 
+def _reference_layers(drop_path):
+    """A first block, a block with a state and a stage's init layer (``adjust``, stride 2)."""
+    return [make(32, 8, drop_path, seed=0), make(32, 8, drop_path, seed=1),
+            make(64, 8, drop_path, seed=2, renorm=True, prev_channels=32, stride=2)]
+
+
+def _steps(layers, mode):
+    """Three steps in a row, their loss's gradients and the running statistics.
+
+    ``mode``: ``'fused'`` (float32), ``'plain'`` (float32 torch ops) or
+    ``'reference'`` (:func:`kcla_mm.ops.kcla_reference.kcla_step` in float64).
+    Returns the results and the fused kernels called (``None`` in float64).
+    """
+    dtype = torch.float64 if mode == 'reference' else torch.float32
+    layers = [copy.deepcopy(m).to(dtype) for m in layers]
+    g = torch.Generator().manual_seed(4)
+    xs = [cl(torch.rand(2, 32, 8, 8, generator=g) * 3), cl(torch.rand(2, 32, 8, 8, generator=g)),
+          cl(torch.rand(2, 64, 4, 4, generator=g) * 2)]
+    xs = [x.to(dtype).requires_grad_() for x in xs]
+
+    def run():
+        outs, state, raw = [], None, None
+        with fused_kernels(mode == 'fused'):
+            for i, (layer, x) in enumerate(zip(layers, xs)):
+                torch.manual_seed(10 + i)  # the drop-path draws of the float32 steps
+                if mode == 'reference':
+                    keep = layer.drop_path.keep_mask(x.float())
+                    out, raw = kcla_step(layer, x, raw, None if keep is None else keep.double())
+                else:
+                    out, state = layer(x, state)
+                outs.append(out)
+        if mode == 'reference':
+            state = as_state(raw)
+        g = torch.Generator().manual_seed(5)
+        loss = sum((t * torch.randn(t.shape, generator=g).to(t.dtype)).sum()
+                   for t in outs + [state.mean, state.log_z])
+        loss.backward()
+        res = {f'out {i}': o for i, o in enumerate(outs)}
+        res.update({'mean': state.mean, 'log_z': state.log_z})
+        res.update({f'grad x {i}': x.grad for i, x in enumerate(xs)})
+        for i, layer in enumerate(layers):
+            res.update({f'grad {i}.{n}': p.grad for n, p in layer.named_parameters()})
+            res.update({f'{i}.{n}': b for n, b in layer.named_buffers() if 'running' in n})
+        return res
+
+    return kernel_calls(run) if dtype == torch.float32 else (run(), None)
+
+
+@pytest.mark.parametrize('drop_path', [0.0, 0.3])
+def test_training_steps_and_gradients_match_the_reference_in_float64(drop_path):
+    # a first block, a block with a state and an init layer by the kernels
+    # (float32; the init layer's adaptation by adapt_forward/adapt_backward)
+    # against kcla_mm.ops.kcla_reference on the same layers in float64: the
+    # paper's raw sums u and z, the modules called one after the other, plain
+    # autograd. Outputs, the last state, the gradients of every x and every
+    # parameter, the running statistics: as accurate as the plain float32 steps.
+    layers = _reference_layers(drop_path)
+    want, _ = _steps(layers, 'reference')
+    plain, kernels = _steps(layers, 'plain')
+    assert not kernels
+    got, kernels = _steps(layers, 'fused')
+    assert kernels == {'step_forward': 3, 'step_backward': 3, 'adapt_forward': 1,
+                       'adapt_backward': 1}
+    assert got.keys() == want.keys() and all(v is not None for v in got.values())
+    assert {'grad 2.adjust.weight', 'grad 2.wk_u.weight', 'grad 2.norm_u.bias'} <= want.keys()
+    err_fused, err_plain = relative_errors(got, want), relative_errors(plain, want)
+    for k in want:
+        assert err_fused[k] <= 4 * err_plain[k] + 2e-6, (k, err_fused[k], err_plain[k])
+        assert err_fused[k] < 2e-3, (k, err_fused[k])
+
+
 @pytest.mark.parametrize('offset', [0.0, 1000.0])
-def test_batch_statistics_accurate_on_large_maps_far_from_zero(offset, monkeypatch, fused_calls):
+def test_batch_statistics_accurate_on_large_maps_far_from_zero(offset):
     # a flat 200x200 map far from zero and a smoothing value convolution: the
     # batch variance is small against the mean squared, so the per-channel
     # sums lose digits to cancellation, and their float partial sums must stay
@@ -155,74 +240,94 @@ def test_batch_statistics_accurate_on_large_maps_far_from_zero(offset, monkeypat
     x = torch.rand(1, 16, 200, 200, generator=g) * 0.1 + offset
     state = KCLAState(torch.rand(1, 16, 200, 200, generator=g) * 0.1 + offset,
                       torch.randn(1, 1, generator=g) * 2 + 4)
-    want = train_step(layer, x, state, torch.float64, False, monkeypatch)
-    eager = train_step(layer, x, state, torch.float32, False, monkeypatch)
-    got = train_step(layer, x, state, torch.float32, True, monkeypatch)
-    assert len(fused_calls) == 1
-    err, err_eager = relative_errors(got, want), relative_errors(eager, want)
+    want, _ = train_step(layer, x, state, torch.float64, False)
+    plain, _ = train_step(layer, x, state, torch.float32, False)
+    got, kernels = train_step(layer, x, state, torch.float32, True)
+    assert kernels == STEP
+    err, err_plain = relative_errors(got, want), relative_errors(plain, want)
     assert err['norm.running_var'] < 1e-4 and err['norm.running_mean'] < 1e-6, err
     assert err['out'] < 1e-6, err
     for k in ('grad x', 'grad prev mean', 'grad norm.weight', 'grad wv.weight'):
-        assert err[k] <= 4 * err_eager[k] + 1e-5, (k, err[k], err_eager[k])
+        assert err[k] <= 4 * err_plain[k] + 1e-5, (k, err[k], err_plain[k])
 
 
-def test_backbone_training_step_as_accurate_as_float64(monkeypatch, fused_calls):
-    # every tail of a training backbone, init layers (prev = the adapted state)
+def _backbone(**kwargs):
+    # built lazily: only these tests need mmdet
+    from kcla_mm.models.backbones.mmdet_kcla_resnet import KCLAResNet
+    return KCLAResNet(**kwargs)
+
+
+def test_backbone_training_step_as_accurate_as_float64():
+    # every step of a training backbone, init layers (prev = the adapted state)
     # included; the steps with a state keep their output and take x as out
     # minus keep relu(o) in the backward pass, the first step (its state is x)
     # keeps x and its output is recomputed for the next block's saved copy.
-    # Reference: the same step in float64 (where the kernels do not apply).
+    # Reference: the same backbone in float64 (where the kernels do not apply).
     torch.manual_seed(0)
-    model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False,
-                       layer_attn=dict(type='KCLA', drop_path=0.2)).train()
+    model = _backbone(depth=50, base_channels=8, head_dim=8, norm_eval=False,
+                      layer_attn=dict(type='KCLA', drop_path=0.2)).train()
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
-    results = []
-    recomputed = []
-    recompute = fused_tail_cpu.recompute_output
-    monkeypatch.setattr(fused_tail_cpu, 'recompute_output',
-                        lambda ctx: recomputed.append(ctx) or recompute(ctx))
+    results, first_nodes = [], []
+
+    def step(net, dtype):
+        torch.manual_seed(1)  # the same drop-path masks
+        outs = net(x.to(dtype))
+        sum((o * torch.linspace(-1, 1, o.numel(), dtype=dtype).view_as(o)).sum()
+            for o in outs).backward()
+        return outs
+
     for dtype, fused in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
         net = copy.deepcopy(model).to(dtype)
-        with monkeypatch.context() as m:
-            m.setattr(kmod, 'FUSED_TRAINING', fused)
-            torch.manual_seed(1)  # the same drop-path masks
-            outs = net(x.to(dtype))
-            sum((o * torch.linspace(-1, 1, o.numel(), dtype=dtype).view_as(o)).sum()
-                for o in outs).backward()
+        net.layer_attn_modules()[0].register_forward_hook(
+            lambda mod, inp, out: first_nodes.append(out[0].grad_fn))
+        with fused_kernels(fused):
+            # (the profiler: float32 only, it would take seconds in float64)
+            outs, kernels = (kernel_calls(step, net, dtype) if dtype == torch.float32
+                             else (step(net, dtype), None))
         res = {f'out {i}': o for i, o in enumerate(outs)}
         res.update({n: p.grad for n, p in net.named_parameters()})
         res.update({n: b for n, b in net.named_buffers() if 'running' in n})
         results.append(res)
-        assert len(fused_calls) == (16 if fused else 0)
-    # only the first step's output is recomputed, once, and released
-    assert len(recomputed) == 1 and not recomputed[0].keeps_output
-    assert getattr(recomputed[0], 'kcla_output', None) is None
-    want, eager, got = results
+        if fused:
+            # every step and block end by the kernels, forward and backward;
+            # and only the first step's output recomputed (train_apply), once
+            assert kernels == {'step_forward': 16, 'step_backward': 16, 'adapt_forward': 3,
+                               'adapt_backward': 3, 'block_end_forward': 16,
+                               'block_end_backward': 16, 'train_apply': 1}
+        elif dtype == torch.float32:
+            assert not kernels
+    first = first_nodes[-1]  # the fused first step: keeps x, its output released
+    assert isinstance(first, cpu_autograd.FusedStep._backward_cls) and not first.keeps_output
+    assert getattr(first, 'kcla_output', None) is None
+    want, plain, got = results
     assert got.keys() == want.keys() and all(v is not None for v in got.values())
-    err_fused, err_eager = relative_errors(got, want), relative_errors(eager, want)
+    err_fused, err_plain = relative_errors(got, want), relative_errors(plain, want)
     for k in want:
-        assert err_fused[k] <= 4 * err_eager[k] + 1e-5, (k, err_fused[k], err_eager[k])
-        # and under 1e-2 where the eager float32 step is well under it (where
+        assert err_fused[k] <= 4 * err_plain[k] + 1e-5, (k, err_fused[k], err_plain[k])
+        # and under 1e-2 where the plain float32 step is well under it (where
         # rounding flips a ReLU mask, both float32 steps are off about as
         # much: layer4's BatchNorms see 8 values per channel at this size)
-        if err_eager[k] < 5e-3:
-            assert err_fused[k] < 1e-2, (k, err_fused[k], err_eager[k])
+        if err_plain[k] < 5e-3:
+            assert err_fused[k] < 1e-2, (k, err_fused[k], err_plain[k])
 
 
-def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatch):
+def _blocks(model):
+    return [b for name in model.res_layers for b in getattr(model, name)]
+
+
+def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs():
     # after the forward pass of a training backbone, the block outputs x (the
     # ReLU's, KCLA's input) are gone but the first, which is the first state;
     # each step with a state keeps its output (the next block keeps it anyway),
     # each block's last ReLU a one-bit mask
-    import weakref
     torch.manual_seed(0)
-    model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
-    steps = []
-    xs = record_calls(monkeypatch, kcla_resnet, 'residual_norm_relu_pool_',
-                      lambda args, kwargs, result: weakref.ref(result[0]))
+    model = _backbone(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
+    steps, xs = [], []
     hooks = [m.register_forward_hook(lambda mod, inp, out: steps.append(out[0]))
              for m in model.layer_attn_modules()]
+    hooks += [b.register_forward_hook(lambda mod, inp, out: xs.append(weakref.ref(out)))
+              for b in _blocks(model)]
     outs = model(torch.rand(2, 3, 64, 64))
     for h in hooks:
         h.remove()
@@ -230,55 +335,61 @@ def test_training_keeps_kcla_outputs_and_relu_masks_not_block_outputs(monkeypatc
     assert [r() is not None for r in xs] == [True] + [False] * 15
     for i, y in enumerate(steps):
         node = y.grad_fn
-        assert isinstance(node, fused_tail_cpu.FusedStep._backward_cls)
+        assert isinstance(node, cpu_autograd.FusedStep._backward_cls)
         assert node.keeps_output is (i > 0)
         kept = node.saved_tensors[0]
         assert (kept.data_ptr() == y.data_ptr()) is (i > 0)
         relu = node.next_functions[0][0]  # x's node
-        assert isinstance(relu, fused_tail_cpu.BlockEnd._backward_cls)
+        assert isinstance(relu, cpu_autograd.BlockEnd._backward_cls)
         mask = relu.saved_tensors[0]  # (and the norms' inputs, as they kept them)
         b, c, h, w = y.shape
         assert mask.dtype == torch.uint8 and mask.shape == (b, h, w, c // 8)
     sum(o.sum() for o in outs).backward()
 
 
-def test_training_block_end_leaves_a_hooked_convolutions_output(monkeypatch):
+def test_training_block_end_leaves_a_hooked_convolutions_output():
     # in training BlockEnd writes a new map: a forward hook holding the last
     # convolution's output keeps the fused block end (unlike inference, where
     # the output is written in place and the norm then runs as a module)
-    ends = []
-    orig = fused_tail_cpu.BlockEnd.forward
-    monkeypatch.setattr(fused_tail_cpu.BlockEnd, 'forward',
-                        staticmethod(lambda ctx, *a: ends.append(1) or orig(ctx, *a)))
     torch.manual_seed(0)
-    model = KCLAResNet(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
+    model = _backbone(depth=50, base_channels=8, head_dim=8, norm_eval=False).train()
     kept = []
     model.layer2[1].conv3.register_forward_hook(
         lambda mod, inp, out: kept.append((out, out.clone())))
-    model(torch.rand(2, 3, 64, 64))
-    assert len(ends) == 16 and torch.equal(kept[0][0], kept[0][1])
+    _, kernels = kernel_calls(model, torch.rand(2, 3, 64, 64))
+    assert kernels['block_end_forward'] == 16 and torch.equal(kept[0][0], kept[0][1])
 
 
 @pytest.mark.parametrize('use_pool', [True, False])
 def test_residual_relu_pool_gradients_are_torchs(use_pool):
-    # ResidualReluPool: out += res; out.relu_() and the pool, one node; its
-    # backward, (gx + gpool / (H W)) where the output is positive, reaches
-    # out and res as torch's add, ReLU and mean send it (bit for bit)
+    # ResidualReluPool (residual_end without norms, with autograd): out += res;
+    # out.relu_() and the pool, one node; its backward, (gx + gpool / (H W))
+    # where the output is positive, reaches out and res as torch's add, ReLU
+    # and mean send it (bit for bit)
     g = torch.Generator().manual_seed(4)
     base = cl(torch.randn(2, 32, 5, 6, generator=g)).requires_grad_()
     res = cl(torch.randn(2, 32, 5, 6, generator=g)).requires_grad_()
     w1 = cl(torch.randn(2, 32, 5, 6, generator=g))
     w1[0, 0, 0, :2] = -0.0
     w2 = torch.randn(2, 32, generator=g)
-    x, pooled = residual_relu_pool_(base * 1.0, res)
-    assert isinstance(x.grad_fn, fused_tail_cpu.ResidualReluPool._backward_cls)
-    loss = (x * w1).sum() + ((pooled * w2).sum() if use_pool else 0)
-    got = torch.autograd.grad(loss, (base, res))
+
+    def end():
+        if use_pool:  # the pool: from the autograd function itself
+            x, pooled = cpu_autograd.ResidualReluPool.apply(base * 1.0, res)
+        else:
+            x, pooled = residual_end(base * 1.0, res), None
+        assert isinstance(x.grad_fn, cpu_autograd.ResidualReluPool._backward_cls)
+        loss = (x * w1).sum() + ((pooled * w2).sum() if use_pool else 0)
+        return x, pooled, torch.autograd.grad(loss, (base, res))
+
+    (x, pooled, got), kernels = kernel_calls(end)
+    assert kernels == {'residual_relu_pool_mask_': 1, 'relu_pool_backward': 1}
     out = base * 1.0
     out += res
     xr = out.relu_()
     torch.testing.assert_close(x, xr, rtol=0, atol=0)
-    torch.testing.assert_close(pooled, xr.mean((2, 3)), rtol=1e-6, atol=1e-6)
+    if use_pool:
+        torch.testing.assert_close(pooled, xr.mean((2, 3)), rtol=1e-6, atol=1e-6)
     ref = (xr * w1).sum() + ((xr.mean((2, 3)) * w2).sum() if use_pool else 0)
     want = torch.autograd.grad(ref, (base, res))
     for a, b in zip(got, want):
@@ -291,6 +402,16 @@ def _bn(c, training, seed, momentum=0.1):
     with torch.no_grad():  # a mean large against the spread, weights of both signs
         norm.weight.mul_(torch.randn(c, generator=torch.Generator().manual_seed(seed)).sign())
     return norm
+
+
+def _block_end(x, res, norm, res_norm, use_pool):
+    """``(out, pooled)`` of :class:`BlockEnd` (``pooled`` ``None`` through ``residual_end``)."""
+    if use_pool:  # the pool: from the autograd function itself
+        return cpu_autograd.BlockEnd.apply(
+            norm, res_norm, x, res, norm.weight, norm.bias,
+            None if res_norm is None else res_norm.weight,
+            None if res_norm is None else res_norm.bias)
+    return residual_end(x, res, norm, res_norm), None
 
 
 @pytest.mark.parametrize('c, hw', [(64, (9, 10)), (20, (5, 6)), (256, (14, 14))])
@@ -311,8 +432,9 @@ def test_block_end_is_the_torch_ops_within_rounding(c, hw, shortcut_norm, mode, 
     x, res = (cl(torch.randn(3, c, *hw, generator=g) * 2 + 5).requires_grad_() for _ in range(2))
     w_out, w_pool = torch.randn(3, c, *hw, generator=g), torch.randn(3, c, generator=g)
     for _ in range(2 if mode == 'cumulative' else 1):
-        out, pooled = residual_norm_relu_pool_(x, res, norm, res_norm)
-        assert isinstance(out.grad_fn, fused_tail_cpu.BlockEnd._backward_cls)
+        (out, pooled), kernels = kernel_calls(_block_end, x, res, norm, res_norm, use_pool)
+        assert kernels == {'block_end_forward': 1}
+        assert isinstance(out.grad_fn, cpu_autograd.BlockEnd._backward_cls)
         x0, r0 = (t.detach().clone().requires_grad_() for t in (x, res))
         want = (ref_norm(x0) + (ref_res_norm(r0) if shortcut_norm else r0)).relu()
     loss = (out * w_out).sum() + ((pooled * w_pool).sum() if use_pool else 0)
@@ -321,13 +443,15 @@ def test_block_end_is_the_torch_ops_within_rounding(c, hw, shortcut_norm, mode, 
         [res_norm.weight, res_norm.bias] if shortcut_norm else [])
     ref_params = [x0, r0, ref_norm.weight, ref_norm.bias] + (
         [ref_res_norm.weight, ref_res_norm.bias] if shortcut_norm else [])
-    got_g = torch.autograd.grad(loss, params)
+    got_g, kernels = kernel_calls(torch.autograd.grad, loss, params)
+    assert kernels == {'block_end_backward': 1}
     want_g = torch.autograd.grad(ref, ref_params)
     if training:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(out, want)
-    torch.testing.assert_close(pooled, want.mean((2, 3)), rtol=1e-5, atol=1e-5)
+    if use_pool:
+        torch.testing.assert_close(pooled, want.mean((2, 3)), rtol=1e-5, atol=1e-5)
     for i, (a, b) in enumerate(zip(got_g, want_g)):
         if i == 1 and not shortcut_norm:
             assert torch.equal(a, b)
@@ -348,7 +472,8 @@ def test_block_end_statistics_hold_where_the_mean_dwarfs_the_spread(offset):
     g = torch.Generator().manual_seed(3)
     x = cl(torch.randn(3, 256, 14, 14, generator=g) * 2 + offset)
     res = cl(torch.randn(3, 256, 14, 14, generator=g))
-    out, _ = residual_norm_relu_pool_(x.requires_grad_(), res, nn.BatchNorm2d(256))
+    out, kernels = kernel_calls(residual_end, x.requires_grad_(), res, nn.BatchNorm2d(256))
+    assert kernels == {'block_end_forward': 1}
     with torch.no_grad():
         aten = (nn.BatchNorm2d(256)(x) + res).relu()
         exact = (nn.BatchNorm2d(256).double()(x.double()) + res.double()).relu()
@@ -371,8 +496,8 @@ def test_block_end_gradients_hold_where_the_mean_dwarfs_the_spread(offset):
         norm, res_norm = _bn(256, True, 1, 0.1).to(dtype), _bn(256, True, 2, 0.1).to(dtype)
         xi, ri = (t.to(dtype).detach().requires_grad_() for t in (x, res))
         if fused:
-            out, _ = residual_norm_relu_pool_(xi, ri, norm, res_norm)
-            assert isinstance(out.grad_fn, fused_tail_cpu.BlockEnd._backward_cls)
+            out = residual_end(xi, ri, norm, res_norm)
+            assert isinstance(out.grad_fn, cpu_autograd.BlockEnd._backward_cls)
         else:
             out = (norm(xi) + res_norm(ri)).relu()
         params = (xi, ri, norm.weight, norm.bias, res_norm.weight, res_norm.bias)
@@ -410,58 +535,43 @@ def test_block_end_ops_name_bad_arguments():
 
 
 @pytest.mark.parametrize('depth', [50, 18])
-@pytest.mark.parametrize('norms', ['modules', 'fused'])
-def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, norms, monkeypatch):
-    # with autograd the backbone replays the host's block and pools in its last
-    # add and ReLU, the pool's gradient added in the ReLU's backward pass:
-    # outputs, every gradient and the running statistics bit for bit those of
-    # the host's block forward where the block's last norms run as modules;
-    # where BlockEnd applies them (the default), within float rounding
-    if norms == 'modules':
-        monkeypatch.setattr(fused_tail_cpu, 'block_end_applicable', lambda *a: False)
-    # BlockEnd.forward(ctx, norm, res_norm, ...): whether it had a shortcut norm
-    ends = record_calls(monkeypatch, fused_tail_cpu.BlockEnd, 'forward',
-                        lambda args, kwargs, result: args[2] is not None)
+def test_backbone_training_block_ends_are_the_host_blocks_within_rounding(depth):
+    # with autograd each block's last BatchNorm, add and ReLU are one BlockEnd
+    # node; where a hook on the norm must see its module call they run as
+    # modules (the host block's ops). Outputs, every gradient and the running
+    # statistics of the two agree within float rounding, the batch counts exactly.
     torch.manual_seed(0)
     width = 8 if depth == 50 else 16
-    base = dict(base_channels=width, head_dim=width)
-    model = KCLAResNet(depth=depth, norm_eval=False,
-                       layer_attn=dict(type='KCLA', drop_path=0.2), **base).train()
+    model = _backbone(depth=depth, norm_eval=False, base_channels=width, head_dim=width,
+                      layer_attn=dict(type='KCLA', drop_path=0.2)).train()
     randomize_norms(model)
     x = torch.rand(2, 3, 64, 64)
-    pools = record_calls(monkeypatch, kcla_resnet, 'residual_norm_relu_pool_',
-                         lambda args, kwargs, result: result[1] is not None)
-    # FusedStep.apply(layer, x, ..., pooled): whether the step took the pool
-    # (then it neither pools x again nor adds the pool's gradient to gx in a
-    # pass of its own: the block end's backward adds it)
-    took_pool = record_calls(monkeypatch, fused_tail_cpu.FusedStep, 'apply',
-                             lambda args, kwargs, result: args[11] is not None)
+    blocks = 16 if depth == 50 else 8
     results = []
-    for replay in (True, False):
-        net = copy.deepcopy(model)
-        if not replay:
-            monkeypatch.setattr(type(net), 'replayable_blocks', {})
+
+    def step(net):
         torch.manual_seed(1)  # the same drop-path masks
         outs = net(x)
         sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs).backward()
+        return outs
+
+    for hooked in (False, True):
+        net = copy.deepcopy(model)
+        if hooked:  # a (no-op) hook on each block's last norm: the module calls
+            for b in _blocks(net):
+                (b.norm3 if depth == 50 else b.norm2).register_forward_hook(lambda *a: None)
+        outs, kernels = kernel_calls(step, net)
+        ends = 0 if hooked else blocks
+        assert kernels['step_forward'] == blocks and kernels['block_end_forward'] == ends
+        assert kernels['block_end_backward'] == ends
         res = {f'out {i}': o.detach() for i, o in enumerate(outs)}
         res.update({n: p.grad for n, p in net.named_parameters()})
         res.update({n: b for n, b in net.named_buffers()})
         results.append(res)
-        if replay:
-            assert pools == [True] * (16 if depth == 50 else 8)
-            assert took_pool == [True] * (16 if depth == 50 else 8)
-            pools.clear()
-        else:
-            assert took_pool[-1] is False
-    assert pools == []  # the host's forward: not called
-    # every block's end once (the replay's forward), with the downsamples' norms
-    assert len(ends) == (0 if norms == 'modules' else 16 if depth == 50 else 8)
-    assert sum(ends) == (0 if norms == 'modules' else 4 if depth == 50 else 3)
     got, want = results
     assert got.keys() == want.keys()
     for k in want:
-        if norms == 'modules' or 'num_batches' in k:
+        if 'num_batches' in k:
             assert want[k] is not None and torch.equal(got[k], want[k]), k
             continue
         # BlockEnd's own values are checked tightly against the torch ops in
@@ -473,75 +583,7 @@ def test_backbone_training_pools_in_each_blocks_last_add_and_relu(depth, norms, 
         assert err < (1e-4 if 'out' in k or 'running' in k else 0.1), (k, err)
 
 
-def test_a_pool_without_the_fold_s_graph_is_not_used_in_training():
-    # a pool given without residual_relu_pool_'s node would drop the pool's
-    # gradient from gx: the layer pools itself then (the same gradients)
-    layer = make(32, 16)
-    g = torch.Generator().manual_seed(5)
-    base = cl(torch.rand(2, 32, 6, 6, generator=g))
-    grads = []
-    for pooled in (None, base.mean((2, 3)), torch.zeros(2, 32)):
-        x = base.clone().requires_grad_()
-        out, new = layer(x, None, pooled=pooled)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        grads.append(x.grad)
-    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
-
-
-@pytest.mark.parametrize('norms', [True, False])
-def test_the_block_end_s_pool_is_used_in_training_only_with_its_own_map(norms, monkeypatch):
-    # residual_norm_relu_pool_ under autograd (BlockEnd with norms, else
-    # ResidualReluPool) returns x and its pool from one node, whose backward
-    # adds the pool's gradient: the step takes that pool (no pooling of x and
-    # no pass adding the pool's gradient to gx of its own), and the gradients
-    # are those of the step that pools x itself. A pool from another node's
-    # map is not taken.
-    took = record_calls(monkeypatch, fused_tail_cpu.FusedStep, 'apply',
-                        lambda args, kwargs, result: args[11] is not None)
-    layer = make(32, 16)
-    g = torch.Generator().manual_seed(6)
-    pre, res = (cl(torch.randn(2, 32, 6, 7, generator=g)) for _ in range(2))
-    other = cl(torch.randn(2, 32, 6, 7, generator=g))
-    w = torch.randn(2, 32, 6, 7, generator=g)
-    state = KCLAState(cl(torch.randn(2, 32, 6, 7, generator=g)), torch.randn(2, 2, generator=g))
-    grads = {}
-    for how in ('own pool', 'pools itself', "another map's pool"):
-        p0, r0 = (t.clone().requires_grad_() for t in (pre, res))
-        norm = _bn(32, True, 1) if norms else None
-        x, pooled = residual_norm_relu_pool_(p0 * 1.0, r0, norm)  # (not a leaf: in place)
-        node = (fused_tail_cpu.BlockEnd if norms else fused_tail_cpu.ResidualReluPool)
-        assert isinstance(pooled.grad_fn, node._backward_cls)
-        if how == 'pools itself':
-            pooled = None
-        elif how == "another map's pool":
-            o0 = other.clone().requires_grad_()
-            _, pooled = residual_norm_relu_pool_(o0 * 1.0, res.clone(),
-                                                 _bn(32, True, 1) if norms else None)
-            assert isinstance(pooled.grad_fn, node._backward_cls)
-        out, new = layer(x, state, pooled=pooled)
-        ((out * w).sum() + new.mean.square().mean()).backward()
-        grads[how] = (p0.grad, r0.grad) + tuple(p.grad for p in layer.parameters())
-        layer.zero_grad(set_to_none=True)
-    assert took == [True, False, False]
-    for how in ('pools itself', "another map's pool"):
-        for a, b in zip(grads['own pool'], grads[how]):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize('pooled, match', [
-    (torch.zeros(2, 31), r'\[2, 32\].*shape \(2, 31\)'),
-    (torch.zeros(32, 2), r'shape \(32, 2\)'),
-    (torch.zeros(2, 32, dtype=torch.float64), 'torch.float64'),
-])
-def test_bad_pooled_is_named(pooled, match):
-    layer = make(32, 16)
-    with pytest.raises(ValueError, match=match):
-        layer(cl(torch.rand(2, 32, 6, 6)), None, pooled=pooled)
-    with torch.no_grad(), pytest.raises(ValueError, match=match):
-        layer.eval()(cl(torch.rand(2, 32, 6, 6)), None, pooled=pooled)
-
-
-def test_one_autograd_node_per_step(fused_calls):
+def test_one_autograd_node_per_step():
     # the pooling, the per-head math and the tail are one node: x, the state
     # and the parameters feed it directly (each node costs the autograd engine
     # and Python a fixed time per block, which dominates on small maps)
@@ -549,10 +591,10 @@ def test_one_autograd_node_per_step(fused_calls):
     x = cl(torch.rand(2, 32, 6, 6)).requires_grad_()
     state = KCLAState(cl(torch.randn(2, 32, 6, 6)).requires_grad_(),
                       torch.randn(2, 2).requires_grad_())
-    out, new = layer(x, state)
-    assert len(fused_calls) == 1
+    (out, new), kernels = kernel_calls(layer, x, state)
+    assert kernels == {'step_forward': 1}
     node = out.grad_fn
-    assert isinstance(node, fused_tail_cpu.FusedStep._backward_cls)
+    assert isinstance(node, cpu_autograd.FusedStep._backward_cls)
     assert new.mean.grad_fn is node and new.log_z.grad_fn is node
     inputs = {id(f.variable) for f, _ in node.next_functions if hasattr(f, 'variable')}
     wanted = [x, state.mean, state.log_z, layer.wq.weight, layer.wk.weight, layer.phi.weight,
@@ -561,8 +603,8 @@ def test_one_autograd_node_per_step(fused_calls):
 
 
 @pytest.mark.parametrize('case', ['float64', 'nchw', 'autocast', 'groupnorm', 'no_grad',
-                                  'disabled', 'one_value'])
-def test_not_used_where_it_does_not_apply(case, monkeypatch, fused_calls):
+                                  'switched off', 'environment', 'one_value'])
+def test_not_used_where_it_does_not_apply(case, monkeypatch):
     layer = make(32, 16)
     x = cl(torch.rand(2, 32, 6, 6)).requires_grad_()
     ctx = torch.enable_grad()
@@ -576,17 +618,21 @@ def test_not_used_where_it_does_not_apply(case, monkeypatch, fused_calls):
         layer = KCLA(32, head_dim=16, norm_layer=lambda c: torch.nn.GroupNorm(2, c)).train()
     elif case == 'no_grad':
         ctx = torch.no_grad()
-    elif case == 'disabled':
+    elif case == 'switched off':
+        ctx = fused_kernels(False)
+    elif case == 'environment':
         monkeypatch.setenv('KCLA_MM_CPU_KERNELS', '0')
     else:  # BatchNorm's own error for a single value per channel
         x = cl(torch.rand(1, 32, 1, 1)).requires_grad_()
-        with pytest.raises(ValueError, match='more than 1 value per channel'):
-            layer(x, None)
-        assert fused_calls == []
+
+        def step():
+            with pytest.raises(ValueError, match='more than 1 value per channel'):
+                layer(x, None)
+
+        assert kernels_called(step) == set()
         return
     with ctx:
-        layer(x, None)
-    assert fused_calls == []
+        assert kernels_called(layer, x, None) == set()
 
 
 def test_kernels_reject_bad_arguments():
@@ -725,11 +771,11 @@ def test_tail_algebra_rejects_bad_arguments():
         ops.tail_grad_coeffs(None, sc, torch.rand(5), sums[0, 0], sums[0, 0], 8)
 
 
-def test_double_backward_raises_instead_of_being_wrong(fused_calls):
+def test_double_backward_raises_instead_of_being_wrong():
     layer = make(32, 16)
     x = cl(torch.rand(2, 32, 6, 6)).requires_grad_()
-    out, _ = layer(x, None)
-    assert len(fused_calls) == 1
+    (out, _), kernels = kernel_calls(layer, x, None)
+    assert kernels == {'step_forward': 1}
     g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match='once_differentiable'):
         g.sum().backward()
@@ -810,9 +856,9 @@ def test_other_instruction_sets_round_alike_and_compute_the_same(march, tmp_path
     # FMA and for one with neither, which this machine's -march=native build
     # never compiles, must round a v + shift once in every pass too, and
     # compute what the installed build computes.
-    ns = cpu_kernels.build_variant(Path(cpu_kernels.__file__).with_name('csrc'), tmp_path,
-                                   f'kcla_isa_{march.replace("-", "_")}',
-                                   ['-O3', '-fopenmp', f'-march={march}'])
+    ns = build.build_variant(Path(build.__file__).with_name('csrc'), tmp_path,
+                             f'kcla_isa_{march.replace("-", "_")}',
+                             ['-O3', '-fopenmp', f'-march={march}'])
     ops, ref = getattr(torch.ops, ns), torch.ops.kcla_mm
     for c, w in [(20, 6), (256, 20)]:
         _check_relu_input_rounded_once(ops, c, w)
