@@ -1,0 +1,3 @@
+# ResNet-34 UNet baseline of the held-out test protocol on ISIC 2018.
+_base_ = './unet_kcla-r34_1xb8-300e_isic2018-heldout-256x256.py'
+model = dict(backbone=dict(layer_attn=None))
