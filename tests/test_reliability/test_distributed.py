@@ -21,6 +21,7 @@ from reliability_utils import (DIST_TRAIN, subprocess_env, subprocess_run, write
                                write_det_data, write_seg_config, write_seg_data)
 from utils import randomize_norms
 
+import kcla_mm.host_fixes  # noqa: F401  (the CPU launch, as the configs and tools import it)
 from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg
 from kcla_mm.utils.checkpoint import safe_load
 
