@@ -522,6 +522,8 @@ def test_benchmark_tool_pools_runs_of_one_machine_and_setting(tmp_path):
 
 
 def _ops_tool():
+    # a tool of the fused kernels: their tests go with them
+    pytest.importorskip('kcla_mm.ops.fused.build')
     spec = importlib.util.spec_from_file_location(
         'kcla_benchmark_cpu_ops', ROOT / 'tools' / 'analysis_tools' / 'benchmark_cpu_ops.py')
     mod = importlib.util.module_from_spec(spec)
