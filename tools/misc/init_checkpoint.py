@@ -11,14 +11,11 @@ Example::
     python tools/misc/init_checkpoint.py CONFIG work_dirs/init.pth --cfg-options ...
 """
 import argparse
-import os
-import os.path as osp
 from typing import Optional, Sequence
 
-import torch
 from mmengine.config import Config, DictAction
 from mmengine.registry import MODELS, init_default_scope
-from mmengine.runner import set_random_seed
+from mmengine.runner import save_checkpoint, set_random_seed
 
 import kcla_mm  # noqa: F401  (registers the components)
 import kcla_mm.host_fixes  # noqa: F401  (safe loading, atomic saving, CPU distributed)
@@ -48,10 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.cfg_options is not None:
         cfg.merge_from_dict(args.cfg_options)
     state_dict = initial_state_dict(cfg)
-    if osp.dirname(args.out):
-        os.makedirs(osp.dirname(args.out), exist_ok=True)
-    torch.save(dict(meta=dict(iter=0, epoch=0, note='initialised, not trained'),
-                    state_dict=state_dict), args.out)
+    # mmengine's writer: atomic through kcla_mm.host_fixes, and creates the folder
+    save_checkpoint(dict(meta=dict(iter=0, epoch=0, note='initialised, not trained'),
+                         state_dict=state_dict), args.out)
     print(f'saved the initialised model of {args.config} to {args.out}')
 
 
