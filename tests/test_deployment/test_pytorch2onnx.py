@@ -22,6 +22,7 @@ TOOL = osp.join(ROOT, 'tools', 'deployment', 'pytorch2onnx.py')
 TINY_UNET = osp.join(ROOT, 'configs', 'unet',
                      'unet_kcla-r18-tiny_1xb8-300i_synthetic-kvasir-128x128.py')
 FULL_UNET = osp.join(ROOT, 'configs', 'unet', 'unet_kcla-r18_1xb8-300e_kvasir-seg-256x256.py')
+DET_DEMO = osp.join(ROOT, 'configs', 'kcla', 'demo', 'faster-rcnn_kcla-r18_fpn_synthetic.py')
 #: the bound the tool's --verify applies: max abs error / max |PyTorch output|
 RTOL = 1e-4
 METHODS = ['KCLA', 'FullLayerAttention', 'MRLALight', None]
@@ -76,6 +77,17 @@ def test_bottleneck_backbone_matches_onnxruntime(tmp_path):
     path = str(tmp_path / 'r50.onnx')
     p2o.export(graph, torch.randn(1, 3, 64, 64), path)
     assert p2o.worst(p2o.verify(graph, path, [(2, 64, 96)])) < RTOL
+
+
+def test_detector_backbone_and_neck_match_onnxruntime(tmp_path):
+    cfg, model = p2o.build_model(DET_DEMO)
+    randomize_norms(model)
+    assert p2o.default_part(model) == 'backbone_neck'
+    graph = p2o.make_graph(cfg, model, 'backbone_neck')
+    path = str(tmp_path / 'det.onnx')
+    names = p2o.export(graph, torch.randn(1, 3, 128, 128), path)
+    assert names == [f'feat{i}' for i in range(5)]  # the FPN's five levels
+    assert p2o.worst(p2o.verify(graph, path, [(2, 96, 160)])) < RTOL
 
 
 def test_graph_holds_only_standard_onnx_ops(tmp_path):

@@ -49,6 +49,7 @@ Examples::
 import argparse
 import contextlib
 import glob
+import importlib
 import os
 import os.path as osp
 import sys
@@ -293,12 +294,12 @@ def worst(results: Sequence[Tuple[Tuple[int, int, int], Dict]]) -> float:
 # ---------------------------------------------------------------- from a config
 
 
-def _tool_common():
-    path = osp.join(ROOT, 'tools', 'analysis_tools')
+def _tool(name: str, folder: str):
+    """The module ``tools/.../<name>.py`` of this repository (``folder`` under the root)."""
+    path = osp.join(ROOT, folder)
     if path not in sys.path:
         sys.path.insert(0, path)
-    import _common
-    return _common
+    return importlib.import_module(name)
 
 
 def build_model(config: str, checkpoint: Optional[str] = None,
@@ -308,7 +309,7 @@ def build_model(config: str, checkpoint: Optional[str] = None,
     Without a checkpoint the model keeps its initialisation (``Pretrained``
     entries of the config are dropped: nothing is downloaded).
     """
-    common = _tool_common()
+    common = _tool('_common', osp.join('tools', 'analysis_tools'))
     cfg = common.load_config(config, cfg_options)
     scope = cfg.get('default_scope', 'mmdet')
     if scope == 'mmseg':
@@ -391,9 +392,7 @@ def compare_on_images(cfg, model: nn.Module, path: str, files: Sequence[str],
     from mmengine.dataset import Compose, pseudo_collate
     from mmseg.models.utils import resize
     session = ort_session(path, threads)
-    pipeline = [t for t in cfg.test_dataloader.dataset.pipeline
-                if t['type'] != 'LoadAnnotations']
-    pipeline = Compose(pipeline)
+    pipeline = Compose(_tool('infer', 'tools').inference_pipeline(cfg, 'seg'))
     head = model.decode_head
     out = []
     for f in files:
