@@ -98,7 +98,8 @@ def test_coco_config_name_matches_backbone(path):
     cfg = load(path)
     backbone = cfg.model.backbone
     assert cfg.default_scope == 'mmdet'
-    assert cfg.custom_imports == dict(imports=['kcla_mm'], allow_failed_imports=False)
+    assert cfg.custom_imports == dict(imports=['kcla_mm', 'kcla_mm.host_fixes'],
+                                      allow_failed_imports=False)
     assert cfg.model.type == {'faster': 'FasterRCNN', 'mask': 'MaskRCNN'}[match['algo']]
     assert backbone.type == 'KCLAResNet' and backbone.depth == int(match['depth'])
     attn = backbone.layer_attn

@@ -52,7 +52,8 @@ def test_name_matches_model(path):
     assert (attn and attn['type']) == LAYER_ATTN[match[1]]
     assert cfg.train_dataloader.batch_size == int(match[4])
     assert cfg.default_scope == 'mmseg'
-    assert cfg.custom_imports == dict(imports=['kcla_mm'], allow_failed_imports=False)
+    assert cfg.custom_imports == dict(imports=['kcla_mm', 'kcla_mm.host_fixes'],
+                                      allow_failed_imports=False)
     # No download, no local checkpoint path in a shipped config.
     assert backbone.get('init_cfg') is None and cfg.get('load_from') is None
 
