@@ -86,3 +86,16 @@ def test_two_seeds_give_mean_and_std_of_the_test_scores(tmp_path):
         assert any(line.split()[:1] == [key] and row in line
                    for line in proc.stdout.splitlines()), proc.stdout[-3000:]
     assert 'NOTE' not in proc.stdout  # held out: no warning
+
+    # --gather evaluates the finished runs again, without training: same scores.
+    gathered = tmp_path / 'gathered'
+    proc = subprocess.run([sys.executable, TOOL, CONFIG, '--gather', str(work / 'seed_0'),
+                           str(work / 'seed_1'), '--work-dir', str(gathered), '--cfg-options']
+                          + tiny(data, iters=20), capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((gathered / 'multi_run.json').read_text())
+    assert [r['label'] for r in again['runs']] == ['seed_0', 'seed_1']
+    assert '[multi_run] training' not in proc.stdout
+    for run, before in zip(again['runs'], result['runs']):
+        assert run['checkpoint'] == before['checkpoint']
+        assert run['metrics'] == pytest.approx(before['metrics'])
