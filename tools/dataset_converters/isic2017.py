@@ -13,6 +13,8 @@ Splits: ``--split random`` (default, the paper's protocol): Training and
 Validation (``--pool``) pooled and split 7:3 (``--ratio``) with ``--seed``;
 Test, if present, becomes ``test``. ``--split official``: Training/
 Validation/Test as train/val/test. ``--split-file FILE``: ``NAME SPLIT`` lines.
+Without the Test set, ``--test-ratio`` holds out a seeded test split of the
+pool (with it, the official Test set is the test split).
 
 Example::
 
