@@ -99,7 +99,7 @@ def allocator_description() -> str:
         return f'CPU allocator: {settings} for every candidate (as set in the environment)'
     settings = settings or "glibc's and torch's defaults"
     return (f'CPU allocator: {settings} (not the tuned settings of '
-            'kcla_mm.benchmark.TUNED_ALLOCATOR_ENV)')
+            'kcla_mm.analysis.benchmark.TUNED_ALLOCATOR_ENV)')
 
 
 def minor_faults() -> Optional[int]:

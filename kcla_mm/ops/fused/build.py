@@ -3,11 +3,11 @@
 - ``csrc/kcla_eval_cpu.cpp`` does a whole KCLA step in eval mode (pooling, the
   per-head math, the state update, the depthwise value convolution, the folded
   norm and gate, ReLU and the residual add) in two passes over the feature
-  map, where the eager path runs about 50 ops and 12 passes
-  (``torch.ops.kcla_mm.eval_step``), or in one where the pooling comes from
-  ``torch.ops.kcla_mm.residual_relu_pool_``, which the backbone runs as its
-  blocks' last add and ReLU (``residual_bn_relu_pool_`` with the blocks'
-  last BatchNorms applied in the same pass).
+  map, where the plain path runs about 50 ops and 12 passes
+  (``torch.ops.kcla_mm.eval_step``); and a residual block's end, its last
+  BatchNorms, the add and the ReLU, in one pass (``residual_bn_relu_pool_``,
+  ``residual_relu_pool_``; they also return the map's pool, which
+  ``eval_step`` accepts in place of its own pooling pass).
 - ``csrc/kcla_train_cpu.cpp`` does the training step: the per-head math
   (``head_forward``/``head_backward``) and the feature-map part with
   BatchNorm's batch statistics in four passes (``train_stats``,
