@@ -16,8 +16,8 @@ model = dict(
     decode_head=dict(in_channels=[16, 32, 64, 128], decoder_channels=[64, 32, 16, 16, 8]))
 
 train_pipeline = [
-    dict(type='LoadImageFromFile'),
-    dict(type='LoadAnnotations'),
+    dict(type='LoadImageFromFileNamingErrors'),
+    dict(type='LoadAnnotationsNamingErrors'),
     dict(type='Resize', scale=img_scale, keep_ratio=False),
     dict(type='RandomFlip', prob=0.5, direction='horizontal'),
     dict(type='RandomFlip', prob=0.5, direction='vertical'),
@@ -25,9 +25,9 @@ train_pipeline = [
     dict(type='PackSegInputs')
 ]
 test_pipeline = [
-    dict(type='LoadImageFromFile'),
+    dict(type='LoadImageFromFileNamingErrors'),
     dict(type='Resize', scale=img_scale, keep_ratio=False),
-    dict(type='LoadAnnotations'),
+    dict(type='LoadAnnotationsNamingErrors'),
     dict(type='PackSegInputs')
 ]
 # Two CPU cores: load in the main process.
