@@ -132,29 +132,35 @@ def config_metainfo(cfg, task: str) -> Dict[str, Any]:
     return {k: v for k, v in meta.items() if k in ('classes', 'palette')}
 
 
-def checkpoint_has_classes(path: str) -> bool:
+def class_metainfo(cfg, checkpoint: str, task: str) -> Dict[str, Any]:
+    """Class names and palette: the checkpoint's (tools/train.py stores the dataset's),
+    else the config's dataset's."""
     from kcla_mm.utils.checkpoint import safe_load
-    meta = safe_load(path, map_location='cpu').get('meta', {}) or {}
-    return 'classes' in (meta.get('dataset_meta') or {})
+    meta = (safe_load(checkpoint, map_location='cpu').get('meta') or {}).get('dataset_meta') or {}
+    meta = {k: v for k, v in meta.items() if k in ('classes', 'palette')}
+    return meta if meta.get('classes') else config_metainfo(cfg, task)
 
 
 def build_inferencer(cfg, checkpoint: str, task: str, device: str):
-    """The host's inferencer; class names from the checkpoint, else from the config."""
+    """The host's inferencer, its model and visualizer given :func:`class_metainfo`."""
     cfg = copy.deepcopy(cfg)
     cfg.test_dataloader.dataset.pipeline = inference_pipeline(cfg, task)
+    meta = class_metainfo(cfg, checkpoint, task)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # "no class names in the checkpoint": set below
         if task == 'seg':
+            # (without classes, MMSegInferencer draws with Cityscapes' names)
             from mmseg.apis import MMSegInferencer
-            inferencer = MMSegInferencer(model=cfg, weights=checkpoint, device=device)
+            inferencer = MMSegInferencer(model=cfg, weights=checkpoint, device=device,
+                                         classes=meta.get('classes'),
+                                         palette=meta.get('palette'))
         else:
             from mmdet.apis import DetInferencer
             inferencer = DetInferencer(model=cfg, weights=checkpoint, device=device)
-    if not checkpoint_has_classes(checkpoint):
-        meta = config_metainfo(cfg, task)
-        if meta.get('classes'):
-            inferencer.model.dataset_meta = dict(inferencer.model.dataset_meta or {}, **meta)
-            inferencer.visualizer.dataset_meta = inferencer.model.dataset_meta
+    if meta.get('classes'):
+        inferencer.model.dataset_meta = dict(inferencer.model.dataset_meta or {}, **meta)
+        inferencer.visualizer.dataset_meta = dict(inferencer.visualizer.dataset_meta or {},
+                                                  **meta)
     inferencer.show_progress = False  # one bar over all images, below
     return inferencer
 

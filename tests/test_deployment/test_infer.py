@@ -99,6 +99,18 @@ def test_inference_pipeline_loads_images_under_the_inferencers_name(config, task
     assert infer.task_of(cfg) == task
 
 
+@pytest.mark.parametrize('stored', [True, False], ids=['checkpoint', 'config'])
+def test_class_names_of_the_masks_and_the_overlays(tmp_path, stored):
+    # from the checkpoint where tools/train.py stored them, else from the config's
+    # dataset; never the host's default (Cityscapes' for mmseg)
+    meta = dict(classes=('bg', 'lesion'), palette=[[0, 0, 0], [255, 0, 0]])
+    cfg, _ = save_model(SEG_CONFIG, str(tmp_path / 'unet.pth'), meta if stored else None)
+    inferencer = infer.build_inferencer(cfg, str(tmp_path / 'unet.pth'), 'seg', 'cpu')
+    want = ('bg', 'lesion') if stored else ('background', 'polyp')
+    assert tuple(inferencer.model.dataset_meta['classes']) == want
+    assert tuple(inferencer.visualizer.dataset_meta['classes']) == want
+
+
 @pytest.mark.slow  # a subprocess importing mmseg, a model per image
 def test_segmentation_masks_overlays_and_json(tmp_path):
     from mmseg.apis import inference_model
