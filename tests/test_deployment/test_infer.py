@@ -130,6 +130,8 @@ def test_segmentation_masks_overlays_and_json(tmp_path):
     assert result['task'] == 'segmentation'
     assert result['classes'] == ['background', 'polyp']
     assert [r['image'] for r in result['images']] == files
+    # mmseg's inference_model drops annotation loaders by name only
+    cfg.test_pipeline = infer.inference_pipeline(cfg, 'seg')
     model.cfg = cfg
     for record in result['images']:
         img = cv2.imread(record['image'])
