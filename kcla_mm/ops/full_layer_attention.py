@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
-                     check_input, eca_conv, per_channel, pooled_qk, value_conv)
+                     check_input, eca_conv, pooled_qk, value_conv)
 
 
 class FullLayerAttentionState(NamedTuple):
@@ -99,10 +99,15 @@ class FullLayerAttention(nn.Module):
         if len(state.values) == 1:  # one block: softmax weight 1
             return state.values[0]
         attn = self.attention(q, state.keys)  # [B, G, T]
+        b, g, n = attn.shape
+        v0 = state.values[0]
+        # per-channel broadcast of every block's weights in one copy, no
+        # [B, G, d, H, W] view of the values: keeps any memory format
+        attn = attn.to(v0.dtype).unsqueeze(2).expand(b, g, self.head_dim, n)  # [B, G, d, T]
+        attn = attn.reshape(b, g * self.head_dim, 1, 1, n)  # [B, C, 1, 1, T]
         agg = None
         for t, v in enumerate(state.values):
-            # per-channel broadcast, no [B, G, d, H, W] view: keeps any memory format
-            a = per_channel(attn[:, :, t], self.head_dim, v.dtype)  # [B, C, 1, 1]
+            a = attn[..., t]  # [B, C, 1, 1]
             agg = a * v if agg is None else torch.addcmul(agg, a, v)
         return agg
 

@@ -32,8 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
-                     check_input, eca, eca_conv, fold_norm, global_pool, per_channel, pooled_qk,
-                     value_conv)
+                     check_input, eca, eca_conv, fold_norm, global_pool, pooled_qk, value_conv)
 from .config import fused_call
 from .kcla_state import KCLAState
 from .recompute import RecomputedTail, compiling, recomputable
@@ -198,18 +197,33 @@ class KCLA(nn.Module):
 
     def logits(self, k: Tensor, k_norm: Optional[Tensor] = None) -> Tensor:
         """Weight logits ``min(|k_g| / tau_g, clamp)`` from keys ``[B, G, d]``: ``[B, G]``."""
-        k_norm = k.norm(dim=-1) if k_norm is None else k_norm
-        logit = k_norm * self.inv_tau.to(k.dtype)
-        return logit if self.clamp is None else logit.clamp(max=self.clamp)
+        if k_norm is None:
+            k_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, G]
+        inv_tau = self.inv_tau  # [G] float64
+        if inv_tau.dtype != k_norm.dtype:
+            # one conversion per module, dtype and temperatures (``_apply`` makes new ones)
+            cached = None if compiling() else self.__dict__.get('_inv_tau_as')
+            if cached is None or cached[0] is not inv_tau or cached[1].dtype != k_norm.dtype:
+                cached = (inv_tau, inv_tau.to(k_norm.dtype))
+                if not compiling():
+                    self.__dict__['_inv_tau_as'] = cached
+            inv_tau = cached[1]  # [G]
+        logit = k_norm * inv_tau  # [B, G]
+        if self.clamp is None:
+            return logit
+        # min(logit, clamp); hardtanh's gradient is one kernel, clamp's three
+        return F.hardtanh(logit, -math.inf, self.clamp)  # [B, G]
 
     def gate(self, q: Tensor, k: Tensor, k_norm: Optional[Tensor] = None) -> Tensor:
         """Per-head gate ``sigmoid(Phi(<q, k> / |k|))``: ``[B, G]`` in the dtype of ``q``."""
         # NOTE: |k| is clamped away from 0 (the reference divides by it as is),
         # so an all-zero key gives a score of 0 instead of NaN.
-        k_norm = k.norm(dim=-1) if k_norm is None else k_norm
-        h = (q * k).sum(-1) / k_norm.clamp_min(1e-12)  # [B, G]
+        if k_norm is None:
+            k_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, G]
+        qk = torch.matmul(q.unsqueeze(-2), k.unsqueeze(-1))  # [B, G, 1, 1], one bmm
+        h = qk.view(k_norm.shape) / F.hardtanh(k_norm, 1e-12, math.inf)  # [B, G]
         with torch.autocast(device_type=q.device.type, enabled=False):
-            return torch.sigmoid(F.linear(h, self.phi.weight.to(h.dtype)))
+            return torch.sigmoid(F.linear(h, self.phi.weight.to(h.dtype)))  # [B, G]
 
     def check_state_width(self, mean: Tensor) -> None:
         """Raise unless ``mean`` has the width this init layer adapts."""
@@ -253,8 +267,11 @@ class KCLA(nn.Module):
         """``(log z_new, incoming mean, beta = w / z_new per channel)``."""
         if state is None:
             return logit, None, None
+        b, g = logit.shape
         log_z = torch.logaddexp(state.log_z, logit)  # [B, G]
-        beta = per_channel(torch.exp(logit - log_z), self.head_dim, x.dtype)  # [B, C, 1, 1]
+        # exp reads a per-channel view and writes per channel: no copy to broadcast
+        beta = torch.exp((logit - log_z).unsqueeze(-1).expand(b, g, self.head_dim))  # [B, G, d]
+        beta = beta.to(x.dtype).reshape(b, g * self.head_dim, 1, 1)  # [B, C, 1, 1], a view
         return log_z, state.mean.to(x.dtype), beta
 
     def tail(self, x: Tensor, prev: Optional[Tensor], beta: Optional[Tensor], scale: Tensor,
@@ -358,11 +375,14 @@ class KCLA(nn.Module):
           into the norm's affine map.
         """
         q, k = self.keys(x)  # [B, G, d] each
-        k_norm = k.norm(dim=-1)  # [B, G], shared by the weight and the gate
-        log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)
+        k_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, G], for the weight and the gate
+        log_z, prev, beta = self._merge(x, self.logits(k, k_norm), state)  # [B, G], beta per C
+        b, g, d = q.shape
         shrink = torch.sigmoid(log_z - math.log(self.eps))  # [B, G] = z / (z + eps)
         gate = self.gate(q, k, k_norm)  # [B, G]
-        scale = per_channel(gate * shrink, self.head_dim, q.dtype)  # [B, C, 1, 1]
+        # the product reads a per-channel view and writes per channel: no copy to broadcast
+        scale = gate.unsqueeze(-1) * shrink.unsqueeze(-1).expand(b, g, d)  # [B, G, d]
+        scale = scale.reshape(b, g * d, 1, 1)  # [B, C, 1, 1], a view
         keep = self.drop_path.keep_mask(x)
         args = (x, prev, beta, scale, keep, self.wv.weight,
                 getattr(self.norm, 'weight', None), getattr(self.norm, 'bias', None))
