@@ -205,6 +205,19 @@ def test_parameter_count_of_kcla_r50_against_the_reference():
     assert plain + n + 236 + 8709 + 2_049_000 == 25_859_078
 
 
+@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+def test_a_layer_attention_type_name_is_its_config(cls):
+    # layer_attn='KCLA' builds exactly what dict(type='KCLA') builds
+    torch.manual_seed(0)
+    by_name = cls(depth=18, base_channels=8, head_dim=8, layer_attn='MRLALight')
+    torch.manual_seed(0)
+    by_dict = cls(depth=18, base_channels=8, head_dim=8, layer_attn=dict(type='MRLALight'))
+    assert by_name.layer_attn_cfg == {'type': 'MRLALight'}
+    assert all(isinstance(m, MRLALight) for m in by_name.layer_attn_modules())
+    for (n, a), (_, b) in zip(by_name.state_dict().items(), by_dict.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
 def test_doctest_examples_run():
     import doctest
 
@@ -223,6 +236,10 @@ def test_doctest_examples_run():
     (dict(depth=50, layer_attn=dict(type='KCLA', temperature_range=(0, 1))),
      'temperature_range'),
     (dict(depth=50, layer_attn=dict(type='KCLA', bogus=1)), 'bogus'),
+    (dict(depth=50, layer_attn='Nope'), "'Nope'"),
+    (dict(depth=50, layer_attn=3), 'layer_attn=3'),
+    (dict(depth=50, strides=(1, 2, 2)), r'strides=\(1, 2, 2\).*num_stages=4'),
+    (dict(depth=50, dilations=(1, 1, 1, 1, 1)), r'dilations=.*5'),
 ])
 @pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
 def test_bad_arguments_raise_at_build_time(cls, kwargs, match):
