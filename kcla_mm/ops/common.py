@@ -80,18 +80,14 @@ def eca(p: Tensor, *convs: nn.Conv1d) -> Tuple[Tensor, ...]:
         # ONNX has no Unfold of a data-dependent size: the same product as a Conv1d
         weight = torch.cat([c.weight for c in convs]).to(p.dtype)  # [n, 1, k]
         return tuple(F.conv1d(p[:, None], weight, padding=pad).unbind(1))
-    windows = F.pad(p, (pad, pad)).unfold(1, k, 1)  # [B, C, k], a strided view
+    windows = F.pad(p, (pad, pad)).unfold(1, k, 1)  # [B, C, k]
     # [n, k] -> [k, n]: few ops, each costs more than its arithmetic here.
     # Concatenated along dim 0, each weight's gradient is a whole row, in the
     # weight's own strides; a [1, 1, k] slice of a concatenation along dim 1
     # has other strides (autograd accepts them: only a size-1 dim differs),
     # and DDP warns about those.
-    weight = torch.cat([c.weight.view(1, k) for c in convs]).t()  # [k, n]
-    if weight.dtype != p.dtype:
-        weight = weight.to(p.dtype)
-    # bmm reads the overlapping windows in place; ``windows @ weight`` would
-    # first copy them to fold B and C into one dimension
-    out = torch.bmm(windows, weight.expand(p.shape[0], k, len(convs)))  # [B, C, n]
+    weight = torch.cat([c.weight.view(1, k) for c in convs]).t().to(p.dtype)
+    out = windows @ weight  # [B, C, n]
     return tuple(out.unbind(-1))
 
 

@@ -220,8 +220,7 @@ class KCLA(nn.Module):
         # so an all-zero key gives a score of 0 instead of NaN.
         if k_norm is None:
             k_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, G]
-        qk = torch.matmul(q.unsqueeze(-2), k.unsqueeze(-1))  # [B, G, 1, 1], one bmm
-        h = qk.view(k_norm.shape) / F.hardtanh(k_norm, 1e-12, math.inf)  # [B, G]
+        h = (q * k).sum(-1) / F.hardtanh(k_norm, 1e-12, math.inf)  # [B, G]
         with torch.autocast(device_type=q.device.type, enabled=False):
             return torch.sigmoid(F.linear(h, self.phi.weight.to(h.dtype)))  # [B, G]
 

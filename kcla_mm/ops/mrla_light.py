@@ -86,8 +86,7 @@ class MRLALight(nn.Module):
 
     def gate(self, q: Tensor, k: Tensor) -> Tensor:
         """``sigmoid(<q, k> / sqrt(d))`` per head: ``[B, G]`` float32."""
-        qk = torch.matmul(q.unsqueeze(-2), k.unsqueeze(-1))  # [B, G, 1, 1], one bmm
-        return torch.sigmoid(qk.view(q.shape[:-1]) / math.sqrt(self.head_dim))  # [B, G]
+        return torch.sigmoid((q * k).sum(-1) / math.sqrt(self.head_dim))
 
     def forward(self, x: Tensor, state: Optional[MRLALightState] = None, *,
                 reuse_state: bool = False) -> Tuple[Tensor, MRLALightState]:
