@@ -109,12 +109,12 @@ def test_input_axes_are_dynamic_unless_static(tmp_path, dynamic):
     assert dims == (['batch', 3, 'height', 'width'] if dynamic else [2, 3, 64, 64])
 
 
-def test_export_runs_with_the_fused_kernels_on_and_restores_the_switch(tmp_path):
+@pytest.mark.parametrize('fused', [True, False])
+def test_export_leaves_the_fused_kernel_switch_as_it_was(tmp_path, fused):
     import kcla_mm.ops as ops
-    before = ops.use_fused_kernels()
-    with p2o.plain_path():
-        assert not ops.use_fused_kernels()
-    assert ops.use_fused_kernels() == before
+    with ops.fused_kernels(fused):
+        p2o.export(tiny_backbone('KCLA'), torch.randn(1, 3, 64, 64), str(tmp_path / 'k.onnx'))
+        assert ops.use_fused_kernels() is fused
 
 
 def test_segmentor_graph_normalises_inside_and_matches_onnxruntime(tmp_path):

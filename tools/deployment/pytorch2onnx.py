@@ -25,7 +25,10 @@ the graph pools globally, the UNet decoder resizes to its skip features' sizes
 and the FPN to the next level's, so nothing depends on the export size. The
 export traces the model (TorchScript exporter, ``dynamo=False``), which takes
 kcla_mm's plain PyTorch path: the fused CPU kernels are switched off during the
-export and are not part of the graph (they compute the same values).
+export (``kcla_mm.ops.fused_kernels(False)``) and are not part of the graph
+(they compute the same values). Two aten ops of the operators have no
+translation in that exporter; the tool registers its own for the export
+(:data:`SYMBOLICS`).
 
 ``--verify`` runs the graph in onnxruntime (CPU execution provider) and the
 model in PyTorch on random inputs at the export size and at another batch and
@@ -68,38 +71,6 @@ OPSET = 17
 #: default bound of ``--verify``: largest absolute error / largest absolute reference value
 RTOL = 1e-4
 IMAGE_SUFFIXES = ('.jpg', '.jpeg', '.png', '.bmp')
-
-
-@contextlib.contextmanager
-def plain_path() -> Iterator[None]:
-    """kcla_mm's operators on their plain PyTorch path inside (fused CPU kernels off).
-
-    Uses the package's switch, ``kcla_mm.ops.fused_kernels(False)`` (or
-    ``set_fused_kernels``), where it has one, else the ``KCLA_MM_CPU_KERNELS``
-    environment variable, which the kernels' loader then reads at every use.
-    """
-    import kcla_mm.ops as ops
-    scoped, switch = getattr(ops, 'fused_kernels', None), getattr(ops, 'set_fused_kernels', None)
-    if scoped is not None:
-        with scoped(False):
-            yield
-    elif switch is not None:
-        before = ops.use_fused_kernels()
-        switch(False)
-        try:
-            yield
-        finally:
-            switch(before)
-    else:
-        before = os.environ.get('KCLA_MM_CPU_KERNELS')
-        os.environ['KCLA_MM_CPU_KERNELS'] = '0'
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop('KCLA_MM_CPU_KERNELS', None)
-            else:
-                os.environ['KCLA_MM_CPU_KERNELS'] = before
 
 
 def _logaddexp(g, a, b):
@@ -214,7 +185,9 @@ def export(graph: nn.Module, example: Tensor, path: str, dynamic: bool = True,
         else:
             axes.update({n: {0: 'batch', 2: f'{n}_height', 3: f'{n}_width'} for n in names})
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
-    with plain_path(), onnx_symbolics(opset), torch.no_grad(), warnings.catch_warnings():
+    from kcla_mm.ops import fused_kernels
+    with fused_kernels(False), onnx_symbolics(opset), torch.no_grad(), \
+            warnings.catch_warnings():
         # tracer notes on Python values taken as constants (shape checks)
         warnings.simplefilter('ignore')
         torch.onnx.export(graph, (example, ), path, input_names=['image'], output_names=names,
@@ -222,13 +195,23 @@ def export(graph: nn.Module, example: Tensor, path: str, dynamic: bool = True,
     return names
 
 
-def ort_session(path: str, threads: Optional[int] = None):
-    """An onnxruntime session on the CPU execution provider."""
+def ort_session(path: str, threads: Optional[int] = None, spinning: bool = True):
+    """An onnxruntime session on the CPU execution provider.
+
+    Args:
+        threads: its intra-op threads (default: onnxruntime's, one per core).
+        spinning: whether its threads busy-wait for work after a run
+            (onnxruntime's default): lower latency for back-to-back runs, but
+            the cores stay busy for a while after each, away from anything
+            else in the process.
+    """
     import onnxruntime as ort
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+    if not spinning:
+        options.add_session_config_entry('session.intra_op.allow_spinning', '0')
     options.log_severity_level = 3
     return ort.InferenceSession(path, options, providers=['CPUExecutionProvider'])
 
