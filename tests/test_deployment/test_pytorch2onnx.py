@@ -5,6 +5,7 @@ skipped without it.
 """
 import importlib.util
 import os.path as osp
+import sys
 
 import numpy as np
 import pytest
@@ -173,6 +174,31 @@ def test_command_line_fails_above_the_bound(tmp_path, capsys):
                    '--verify', '--rtol', '0', '--static'])
     assert rc == 1
     assert 'verify: FAILED' in capsys.readouterr().out
+
+
+@pytest.mark.slow  # the demo's data made and converted, a model saved, exported and checked
+def test_command_line_on_a_saved_demo_model_and_its_validation_images(tmp_path, capsys):
+    # what docs/deployment.md runs on the demo's trained UNet, on a saved
+    # model of that config and the demo's synthetic Kvasir-SEG validation split
+    from mmengine.runner import save_checkpoint
+
+    from kcla_mm.datasets.synthetic_medical import generate
+    generate('kvasir', str(tmp_path / 'download'), num=10, size=96, seed=0)
+    spec = importlib.util.spec_from_file_location(
+        'kvasir_seg', osp.join(ROOT, 'tools', 'dataset_converters', 'kvasir_seg.py'))
+    converter = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, osp.dirname(spec.origin))
+    spec.loader.exec_module(converter)
+    assert converter.main([str(tmp_path / 'download'), '--out', str(tmp_path / 'data')]) == 0
+    _, model = tiny_unet()
+    ckpt = str(tmp_path / 'iter_1.pth')
+    save_checkpoint(dict(meta={}, state_dict=model.state_dict()), ckpt)
+    val = str(tmp_path / 'data' / 'images' / 'val')
+    rc = p2o.main([TINY_UNET, ckpt, '--out', str(tmp_path / 'unet.onnx'), '--verify',
+                   '--images', val])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert f'3 images of {val}' in text and 'differing at most 0.0000%' in text, text
 
 
 @pytest.mark.slow  # full size: an export of about a minute on 2 cores
