@@ -129,10 +129,10 @@ def build_graphs(name: str, quick: bool) -> Dict[bool, nn.Module]:
     return graphs
 
 
-def runner(graph: nn.Module, runtime: str, x: torch.Tensor, session=None) -> Callable[[], None]:
+def runner(graph: nn.Module, runtime: str, x: torch.Tensor, ort_model=None) -> Callable[[], None]:
     if runtime == 'onnxruntime':
         feed = {'image': x.numpy()}
-        return lambda: session.run(None, feed)
+        return lambda: ort_model.run(None, feed)
 
     from kcla_mm.ops import fused_kernels
 
@@ -203,7 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.quick:
         args.repeats, args.warmup, args.batches = 1, 0, [1, 2]
     os.makedirs(args.out_dir, exist_ok=True)
-    labels, fns, sessions = {}, {}, []
+    labels, fns, ort_models = {}, {}, []
     tmp = tempfile.TemporaryDirectory()
     for name in args.models:
         label, _, _, size = MODELS[name]
@@ -218,12 +218,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             path = osp.join(tmp.name, f'{name}_{"kcla" if kcla else "plain"}.onnx')
             p2o.export(graph, x0, path)
             # no busy-waiting threads left behind to slow the next candidate down
-            session = p2o.ort_session(path, threads, spinning=False)
-            sessions.append(session)
+            ort_model = p2o.ort_session(path, threads, spinning=False)
+            ort_models.append(ort_model)
             for batch in args.batches:
                 x = p2o.random_input(graph, batch, size, size)
                 for rt in RUNTIMES if kcla else ('eager_plain', 'onnxruntime'):
-                    fns[Candidate(name, batch, kcla, rt)] = runner(graph, rt, x, session)
+                    fns[Candidate(name, batch, kcla, rt)] = runner(graph, rt, x, ort_model)
     print(f'[benchmark_inference] timing {len(fns)} candidates, {args.warmup} + {args.repeats} '
           'rounds', flush=True)
     times = measure(fns, args.repeats, args.warmup)

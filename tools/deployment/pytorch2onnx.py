@@ -196,7 +196,7 @@ def export(graph: nn.Module, example: Tensor, path: str, dynamic: bool = True,
 
 
 def ort_session(path: str, threads: Optional[int] = None, spinning: bool = True):
-    """An onnxruntime session on the CPU execution provider.
+    """An onnxruntime ``InferenceSession`` on the CPU execution provider.
 
     Args:
         threads: its intra-op threads (default: onnxruntime's, one per core).
@@ -216,8 +216,8 @@ def ort_session(path: str, threads: Optional[int] = None, spinning: bool = True)
     return ort.InferenceSession(path, options, providers=['CPUExecutionProvider'])
 
 
-def run_ort(session, image: Tensor) -> List[np.ndarray]:
-    return session.run(None, {'image': image.detach().cpu().numpy()})
+def run_ort(ort_model, image: Tensor) -> List[np.ndarray]:
+    return ort_model.run(None, {'image': image.detach().cpu().numpy()})
 
 
 def compare(reference: Sequence[Tensor], outputs: Sequence[np.ndarray],
@@ -257,14 +257,14 @@ def verify(graph: nn.Module, path: str, shapes: Sequence[Tuple[int, int, int]],
     Returns:
         ``[(shape, compare() report), ...]``.
     """
-    session = ort_session(path, threads)
-    names = [o.name for o in session.get_outputs()]
+    ort_model = ort_session(path, threads)
+    names = [o.name for o in ort_model.get_outputs()]
     results = []
     for i, (b, h, w) in enumerate(shapes):
         x = random_input(graph, b, h, w, seed=i)
         with torch.no_grad():
             ref = graph(x)
-        results.append(((b, h, w), compare(ref, run_ort(session, x), names)))
+        results.append(((b, h, w), compare(ref, run_ort(ort_model, x), names)))
     return results
 
 
@@ -374,7 +374,7 @@ def compare_on_images(cfg, model: nn.Module, path: str, files: Sequence[str],
     """
     from mmengine.dataset import Compose, pseudo_collate
     from mmseg.models.utils import resize
-    session = ort_session(path, threads)
+    ort_model = ort_session(path, threads)
     pipeline = Compose(_tool('infer', 'tools').inference_pipeline(cfg, 'seg'))
     head = model.decode_head
     out = []
@@ -387,7 +387,7 @@ def compare_on_images(cfg, model: nn.Module, path: str, files: Sequence[str],
         img = data['inputs'][0].float()[None]  # [1, 3, H, W] in the loader's BGR order
         if model.data_preprocessor.channel_conversion:
             img = img[:, [2, 1, 0]]
-        logits, _ = run_ort(session, img)
+        logits, _ = run_ort(ort_model, img)
         logits = torch.from_numpy(logits)
         ori = sample.metainfo['ori_shape'][:2]
         up = resize(logits, size=ori, mode='bilinear', align_corners=head.align_corners,
