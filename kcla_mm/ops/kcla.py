@@ -267,7 +267,11 @@ class KCLA(nn.Module):
         if state is None:
             return logit, None, None
         b, g = logit.shape
-        log_z = torch.logaddexp(state.log_z, logit)  # [B, G]
+        if torch.onnx.is_in_onnx_export():  # ONNX has no LogAddExp: the same, spelt out
+            log_z = torch.maximum(state.log_z, logit) + torch.log1p(
+                torch.exp(-(state.log_z - logit).abs()))  # [B, G]
+        else:
+            log_z = torch.logaddexp(state.log_z, logit)  # [B, G]
         # exp reads a per-channel view and writes per channel: no copy to broadcast
         beta = torch.exp((logit - log_z).unsqueeze(-1).expand(b, g, self.head_dim))  # [B, G, d]
         beta = beta.to(x.dtype).reshape(b, g * self.head_dim, 1, 1)  # [B, C, 1, 1], a view
@@ -303,8 +307,10 @@ class KCLA(nn.Module):
             mean = torch.lerp(prev, x, beta)
         v = F.conv2d(mean, wv_weight, padding=1, groups=self.channels)  # [B, C, H, W]
         # eval-mode BN: one pass, in place when nothing differentiates through it
-        # (not under torch.compile: dynamo gives up on an out= argument)
-        inplace = not (torch.is_grad_enabled() and v.requires_grad) and not compiling()
+        # (not under torch.compile or tracing: dynamo gives up on an out= argument,
+        # and the ONNX exporter has no translation for it)
+        inplace = (not (torch.is_grad_enabled() and v.requires_grad) and not compiling()
+                   and not torch.jit.is_tracing())
         o = fold_norm(self.norm, v, scale, norm_weight, norm_bias, inplace=inplace)
         if o is None:
             if torch.is_grad_enabled() and v.requires_grad:

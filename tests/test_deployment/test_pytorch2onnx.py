@@ -213,3 +213,23 @@ def test_full_size_kcla_resnet18_unet_at_256(tmp_path):
     for _, report in results:
         assert report['logits']['rel'] < RTOL, report
         assert report['mask']['mismatch'] < 1e-3, report
+
+
+def test_a_plain_export_needs_no_custom_translation(tmp_path):
+    # torch.onnx.export of the backbone as it is (TorchScript exporter, no
+    # translations registered): the ops traced are standard ONNX ops, and
+    # onnxruntime reproduces the eager outputs
+    ort = pytest.importorskip('onnxruntime')
+    import kcla_mm.ops as ops
+    from kcla_mm.models.backbones import KCLAResNet
+    torch.manual_seed(0)
+    model = KCLAResNet(depth=18, base_channels=8, head_dim=8).eval()
+    x = torch.rand(2, 3, 64, 64)
+    path = str(tmp_path / 'backbone.onnx')
+    with ops.fused_kernels(False), torch.no_grad():
+        torch.onnx.export(model, (x, ), path, dynamo=False, input_names=['x'])
+        want = model(x)
+    got = ort.InferenceSession(path, providers=['CPUExecutionProvider']).run(
+        None, {'x': x.numpy()})
+    for a, b in zip(got, want):
+        torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-4, atol=1e-5)
