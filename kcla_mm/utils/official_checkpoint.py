@@ -3,7 +3,7 @@
 The reference trainer saves a ``.pth.tar`` dict with ``state_dict`` (plus
 ``epoch``, ``best_acc1``, ``optimizer``); keys may carry a ``module.`` prefix.
 Blocks live under ``layer{s}.layers.{i}.*`` and the KCLA layers under
-``layer{s}.attention.{i}.*`` (spec section 8). kcla_mm keeps the host ResNet's
+``layer{s}.attention.{i}.*`` (``docs/method.md``, section 8). kcla_mm keeps the host ResNet's
 names for the blocks (``layer{s}.{i}.*``) and puts the layer-attention
 modules under ``layer{s}_attn.{i}.*``.
 

@@ -17,7 +17,15 @@ where the kernels do not apply, and then the caller computes the plain way:
 Common to all: float32 CPU maps in the channels-last layout, plain
 ``BatchNorm2d`` norms, no autocast, no ``torch.compile`` or JIT tracing (they
 trace the plain ops), and kernels that built (:mod:`.build`).
+
+The block-end kernels also return the global pool of the map they write,
+which a KCLA step would compute in a pass of its own. The pool is kept here,
+keyed by that map's identity and version, for the next :func:`kcla_step` of
+the same thread: used once, and only while the map is unchanged, so it can
+never stand for another map (:func:`_remember_pool`, :func:`_recall_pool`).
 """
+import threading
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -50,12 +58,31 @@ def _cpu_float_map(x: Tensor) -> bool:
             and not torch.jit.is_tracing())
 
 
+_POOLS = threading.local()
+
+
+def _remember_pool(x: Tensor, pooled: Tensor) -> None:
+    """Keep ``pooled``, the global pool of ``x`` a block-end kernel computed."""
+    _POOLS.last = (weakref.ref(x), x._version, pooled)
+
+
+def _recall_pool(x: Tensor) -> Optional[Tensor]:
+    """The pool kept for ``x`` if ``x`` is that map, unchanged; forgets it either way."""
+    last = getattr(_POOLS, 'last', None)
+    _POOLS.last = None
+    if last is None:
+        return None
+    ref, version, pooled = last
+    return pooled if ref() is x and x._version == version else None
+
+
 def kcla_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
               reuse_state: bool) -> Optional[Tuple[Tensor, KCLAState]]:
     """:meth:`kcla_mm.ops.KCLA.forward` by the fused kernels, or ``None``.
 
     The caller has checked the arguments' shapes.
     """
+    pooled = _recall_pool(x)
     if not _cpu_float_map(x) or torch.is_grad_enabled() != layer.training:
         return None  # eval runs without autograd, training with it
     if not build.available():
@@ -63,15 +90,18 @@ def kcla_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
     if state is not None and not state.log_z.is_contiguous():
         state = KCLAState(state.mean, state.log_z.contiguous())  # the kernels read it flat
     if layer.training:
-        return _train_step(layer, x, state)
-    return _eval_step(layer, x, state, reuse_state)
+        # a pool is used with the graph of the node that made x and it, whose
+        # backward pass then takes the pool's gradient
+        given = pooled is not None and pooled.grad_fn is not None and pooled.grad_fn is x.grad_fn
+        return _train_step(layer, x, state, pooled if given else None)
+    return _eval_step(layer, x, state, reuse_state, pooled)
 
 
 # -- eval mode, no autograd ------------------------------------------------
 
 
-def _eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
-               reuse_state: bool) -> Optional[Tuple[Tensor, KCLAState]]:
+def _eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState], reuse_state: bool,
+               pooled: Optional[Tensor] = None) -> Optional[Tuple[Tensor, KCLAState]]:
     if not _foldable(member(layer, 'norm')) or _weight(layer, 'wv').dtype != torch.float32:
         return None
     if state is not None and state.mean.dtype != torch.float32:
@@ -80,7 +110,7 @@ def _eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
         return None
     if state is not None and layer.renorm:
         if _adapts_in_eval_step(layer, x, state.mean):
-            return _call_eval_step(layer, x, state, False, adapt=True)
+            return _call_eval_step(layer, x, state, False, pooled, adapt=True)
         # the plain adaptation (which names what is wrong with the state), then
         # the fused step on the new map, which is owned here
         state, reuse_state = layer.renormalize(state, x), True
@@ -88,7 +118,7 @@ def _eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
             return layer.step(x, state, reuse_state=True)
     elif state is not None and state.mean.stride() != x.stride():
         return None
-    return _call_eval_step(layer, x, state, reuse_state)
+    return _call_eval_step(layer, x, state, reuse_state, pooled)
 
 
 def _adapts_in_eval_step(layer: nn.Module, x: Tensor, m: Tensor) -> bool:
@@ -99,6 +129,7 @@ def _adapts_in_eval_step(layer: nn.Module, x: Tensor, m: Tensor) -> bool:
 
 
 def _call_eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState], reuse_prev: bool,
+                    pooled: Optional[Tensor] = None,
                     adapt: bool = False) -> Tuple[Tensor, KCLAState]:
     """``torch.ops.kcla_mm.eval_step`` with the layer's weights."""
     weight, shift = _cached_norm_affine(member(layer, 'norm'), torch.float32)  # [1, C, 1, 1]
@@ -113,15 +144,15 @@ def _call_eval_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState], reu
         x, prev, None if state is None or adapt else state.log_z, _weight(layer, 'wq'),
         _weight(layer, 'wk'), member(layer, 'inv_tau'), _weight(layer, 'phi'),
         _weight(layer, 'wv'), weight, shift, adj_w, adj_b, wk_u, layer.stride,
-        -1.0 if layer.clamp is None else layer.clamp, layer.eps, reuse_prev, False, None)
+        -1.0 if layer.clamp is None else layer.clamp, layer.eps, reuse_prev, False, pooled)
     return out, KCLAState(mean, log_z)
 
 
 # -- training, with autograd ------------------------------------------------
 
 
-def _train_step(layer: nn.Module, x: Tensor,
-                state: Optional[KCLAState]) -> Optional[Tuple[Tensor, KCLAState]]:
+def _train_step(layer: nn.Module, x: Tensor, state: Optional[KCLAState],
+                pooled: Optional[Tensor] = None) -> Optional[Tuple[Tensor, KCLAState]]:
     norm, wv = member(layer, 'norm'), _weight(layer, 'wv')
     if _weight(layer, 'wq').dtype != torch.float32 or not applicable(norm, x, None, wv):
         return None
@@ -134,7 +165,7 @@ def _train_step(layer: nn.Module, x: Tensor,
         layer, x, None if state is None else state.mean,
         None if state is None else state.log_z, _weight(layer, 'wq'), _weight(layer, 'wk'),
         _weight(layer, 'phi'), member(layer, 'drop_path').keep_mask(x), wv,
-        member(norm, 'weight'), member(norm, 'bias'), None)
+        member(norm, 'weight'), member(norm, 'bias'), pooled)
     return out, KCLAState(mean, log_z)
 
 
@@ -207,17 +238,22 @@ def residual_end(x: Tensor, res: Tensor, norm: Optional[nn.Module],
                 and not _hooked(producer)):
             res_args = ((None, None, None, None, 1.0) if res_norm is None else
                         (*_batchnorm_tensors(res_norm), res_norm.eps))
-            torch.ops.kcla_mm.residual_bn_relu_pool_(x, res, *_batchnorm_tensors(norm),
-                                                     norm.eps, *res_args)
+            _remember_pool(x, torch.ops.kcla_mm.residual_bn_relu_pool_(
+                x, res, *_batchnorm_tensors(norm), norm.eps, *res_args))
+            return x
+        if norm is None and res_norm is None and not _hooked(producer):
+            _remember_pool(x, torch.ops.kcla_mm.residual_relu_pool_(x, res))
             return x
         return None
+    out = pooled = None
     if norm is None and res_norm is None:
         if x.requires_grad or res.requires_grad:
-            return ResidualReluPool.apply(x, res)[0]
-        return None
-    if norm is not None and block_end_applicable(norm, res_norm, x):
-        return BlockEnd.apply(
+            out, pooled = ResidualReluPool.apply(x, res)
+    elif norm is not None and block_end_applicable(norm, res_norm, x):
+        out, pooled = BlockEnd.apply(
             norm, res_norm, x, res, member(norm, 'weight'), member(norm, 'bias'),
             None if res_norm is None else member(res_norm, 'weight'),
-            None if res_norm is None else member(res_norm, 'bias'))[0]
-    return None
+            None if res_norm is None else member(res_norm, 'bias'))
+    if out is not None:
+        _remember_pool(out, pooled)
+    return out

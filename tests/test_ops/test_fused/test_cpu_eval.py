@@ -588,3 +588,38 @@ def test_a_state_the_kernels_cannot_read_as_it_is_gives_the_plain_values(log_z, 
         with ops.fused_kernels(False):
             want, _ = layer(x, KCLAState(m, lz.contiguous()))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_block_end_pool_is_used_only_for_its_own_unchanged_map():
+    # the block end's pool waits for the next step of this thread, keyed by
+    # the map's identity and version: a changed map, another map or a second
+    # step never receive it (the step then pools itself: the plain values)
+    from kcla_mm.ops.fused import cpu
+    layer = kcla_layer(32, 8, 0).eval()
+    cl = torch.channels_last
+    norm = nn.BatchNorm2d(32).eval()
+    randomize_norms(norm)
+
+    def block_end():
+        x = torch.randn(2, 32, 6, 6).contiguous(memory_format=cl)
+        res = torch.randn(2, 32, 6, 6).contiguous(memory_format=cl)
+        return residual_end(x, res, norm)
+
+    with torch.no_grad():
+        x = block_end()
+        torch.testing.assert_close(cpu._recall_pool(x), x.mean((2, 3)))
+        assert cpu._recall_pool(x) is None  # used once
+        x = block_end()
+        x.mul_(2)  # changed after the block end: its pool no longer holds
+        assert cpu._recall_pool(x) is None
+        block_end()
+        other = torch.randn(2, 32, 6, 6).contiguous(memory_format=cl)
+        assert cpu._recall_pool(other) is None
+        for change in (False, True):
+            x = block_end()
+            if change:
+                x.add_(1)
+            got, _ = layer(x)
+            with ops.fused_kernels(False):
+                want, _ = layer(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
