@@ -136,6 +136,9 @@ class KCLA(nn.Module):
         self.register_buffer(
             'inv_tau', log_uniform_inverse_temperatures(self.num_heads, self.temperature_range),
             persistent=False)
+        #: the same in float32, for the logits of float32 keys (a plain attribute,
+        #: rebuilt with ``inv_tau`` in ``_apply``)
+        self.inv_tau_float32 = self.inv_tau.float()
 
         self.adjust = self.wk_u = self.norm_u = None
         if self.renorm:
@@ -172,9 +175,14 @@ class KCLA(nn.Module):
         # (G, temperature_range), so ``to_empty()`` after meta-device init
         # gives their values, not uninitialised memory, and ``.half()`` never
         # rounds them
+        self._set_temperatures()
+        return self
+
+    def _set_temperatures(self) -> None:
+        """``inv_tau`` (float64) and its float32 copy, on the parameters' device."""
         self.inv_tau = log_uniform_inverse_temperatures(
             self.num_heads, self.temperature_range).to(self.wq.weight.device)
-        return self
+        self.inv_tau_float32 = self.inv_tau.float()
 
     def reset_parameters(self) -> None:
         """Reference initialisation: Xavier for Wq, Wk, Phi, Wk_u; Kaiming for convs."""
@@ -199,15 +207,10 @@ class KCLA(nn.Module):
         """Weight logits ``min(|k_g| / tau_g, clamp)`` from keys ``[B, G, d]``: ``[B, G]``."""
         if k_norm is None:
             k_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, G]
-        inv_tau = self.inv_tau  # [G] float64
-        if inv_tau.dtype != k_norm.dtype:
-            # one conversion per module, dtype and temperatures (``_apply`` makes new ones)
-            cached = None if compiling() else self.__dict__.get('_inv_tau_as')
-            if cached is None or cached[0] is not inv_tau or cached[1].dtype != k_norm.dtype:
-                cached = (inv_tau, inv_tau.to(k_norm.dtype))
-                if not compiling():
-                    self.__dict__['_inv_tau_as'] = cached
-            inv_tau = cached[1]  # [G]
+        if k_norm.dtype == torch.float32:  # (made with the float64 ones: no conversion here)
+            inv_tau = self.inv_tau_float32  # [G]
+        else:
+            inv_tau = self.inv_tau.to(k_norm.dtype)  # [G]
         logit = k_norm * inv_tau  # [B, G]
         if self.clamp is None:
             return logit

@@ -656,7 +656,7 @@ def test_ops_benchmark_per_element_in_l2_and_from_memory(capsys):
 def test_ops_benchmark_builds_another_source_tree_side_by_side(tmp_path):
     _needs_kernels()
     ops_tool = _ops_tool()
-    csrc = ROOT / 'kcla_mm' / 'ops' / 'csrc'
+    csrc = ROOT / 'kcla_mm' / 'ops' / 'fused' / 'csrc'
     times = ops_tool.main(['--against', str(csrc), '--batch', '1', '--size', '32', '--rounds',
                            '1', '--warmup', '0', '--threads', '1', '--ops', 'train_apply',
                            'eval_step'])
