@@ -114,3 +114,18 @@ def kernel_calls(fn, *args, **kwargs):
         result = fn(*args, **kwargs)
     return result, collections.Counter(e.name.split('::', 1)[1] for e in prof.function_events
                                        if e.name.startswith('kcla_mm::'))
+
+
+def tiny_unet_options(data_root: str, iters: int, val_interval: int) -> list:
+    """``--cfg-options`` for the tiny UNet demo configs on ``data_root``: 64x64
+    images, batch 4, ``iters`` iterations, validation every ``val_interval``."""
+    opts = ['model.data_preprocessor.size=(64,64)',
+            'train_dataloader.dataset.pipeline.2.scale=(64,64)', f'train_cfg.max_iters={iters}',
+            f'train_cfg.val_interval={val_interval}', f'default_hooks.checkpoint.interval={iters}',
+            f'param_scheduler.0.T_max={iters}', f'param_scheduler.0.end={iters}',
+            'default_hooks.logger.interval=5', 'train_dataloader.batch_size=4']
+    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        opts.append(f'{loader}.dataset.data_root={data_root}')
+    for loader in ('val_dataloader', 'test_dataloader'):
+        opts.append(f'{loader}.dataset.pipeline.1.scale=(64,64)')
+    return opts

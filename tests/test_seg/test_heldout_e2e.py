@@ -12,6 +12,7 @@ import sys
 import cv2
 import numpy as np
 import pytest
+from utils import tiny_unet_options
 
 from kcla_mm.datasets.synthetic_medical import generate
 
@@ -24,16 +25,7 @@ VAL_INTERVAL = 10
 
 def tiny(data_root: str, iters: int = ITERS, val_interval: int = VAL_INTERVAL):
     """cfg-options: the held-out demo config on ``data_root`` at 64x64 for ``iters``."""
-    opts = ['model.data_preprocessor.size=(64,64)',
-            'train_dataloader.dataset.pipeline.2.scale=(64,64)', f'train_cfg.max_iters={iters}',
-            f'train_cfg.val_interval={val_interval}', f'default_hooks.checkpoint.interval={iters}',
-            f'param_scheduler.0.T_max={iters}', f'param_scheduler.0.end={iters}',
-            'default_hooks.logger.interval=5', 'train_dataloader.batch_size=4']
-    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
-        opts.append(f'{loader}.dataset.data_root={data_root}')
-    for loader in ('val_dataloader', 'test_dataloader'):
-        opts.append(f'{loader}.dataset.pipeline.1.scale=(64,64)')
-    return opts
+    return tiny_unet_options(data_root, iters, val_interval)
 
 
 def three_way_data(tmp_path) -> str:

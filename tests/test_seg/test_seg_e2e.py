@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from utils import tiny_unet_options
 
 from kcla_mm.datasets.synthetic_medical import generate
 
@@ -35,16 +36,7 @@ def run(cmd, cwd):
 
 def small(data_root: str):
     """cfg-options: the demo config on ``data_root`` at 64x64, for ITERS iterations."""
-    opts = ['model.data_preprocessor.size=(64,64)',
-            'train_dataloader.dataset.pipeline.2.scale=(64,64)', f'train_cfg.max_iters={ITERS}',
-            f'train_cfg.val_interval={ITERS}', f'default_hooks.checkpoint.interval={ITERS}',
-            f'param_scheduler.0.T_max={ITERS}', f'param_scheduler.0.end={ITERS}',
-            'default_hooks.logger.interval=5', 'train_dataloader.batch_size=4']
-    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
-        opts.append(f'{loader}.dataset.data_root={data_root}')
-    for loader in ('val_dataloader', 'test_dataloader'):
-        opts.append(f'{loader}.dataset.pipeline.1.scale=(64,64)')
-    return opts
+    return tiny_unet_options(data_root, ITERS, ITERS)
 
 
 def json_lines(path):

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kcla_mm.analysis.benchmark import num_blocks
+
 METHODS = ('KCLA', 'MRLALight', 'FullLayerAttention', 'none')
 #: allocations whose memory is not written: no kernel
 ALLOCATIONS = frozenset({'empty', 'empty_like', 'empty_strided', 'new_empty',
@@ -143,11 +145,6 @@ def build(method: str, depth: int) -> nn.Module:
         for m in model.layer_attn_modules():
             m.reset_parameters()
     return model
-
-
-def num_blocks(model: nn.Module) -> int:
-    """Residual blocks of a backbone."""
-    return sum(len(getattr(model, name)) for name in model.res_layers)
 
 
 def measure(depths: Sequence[int], methods: Sequence[str], batch: int,

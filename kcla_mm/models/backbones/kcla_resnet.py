@@ -90,14 +90,29 @@ def _to_nchw(x: Tensor) -> Tensor:
     return x.contiguous()
 
 
-class BasicBlockEnd:
-    """A host ``BasicBlock`` whose forward ends in :meth:`end` (put it first in the MRO).
+class ResidualBlockEnd:
+    """A host residual block whose forward ends in :meth:`end` (put it first in the MRO).
 
     The same modules, called in the host's order, with the same values; only
-    the last norm, the add and the ReLU go through
-    :func:`kcla_mm.ops.residual_end`, where a fast path may fuse them. With
-    ``with_cp`` the host's forward runs.
+    the last norm, the shortcut, the add and the ReLU go through
+    :func:`kcla_mm.ops.residual_end`, where a fast path may fuse them.
+    Subclasses name the block's last convolution and norm.
     """
+
+    last_conv: str
+    last_norm: str
+
+    def end(self, out: Tensor, x: Tensor) -> Tensor:
+        """``relu(last_norm(out) + shortcut(x))``: the block's end, given its last conv's output."""
+        identity = x if self.downsample is None else self.downsample(x)
+        return residual_end(out, identity, getattr(self, self.last_norm),
+                            producer=getattr(self, self.last_conv))
+
+
+class BasicBlockEnd(ResidualBlockEnd):
+    """A host ``BasicBlock`` ending in :meth:`end`; with ``with_cp`` the host's forward runs."""
+
+    last_conv, last_norm = 'conv2', 'norm2'
 
     def forward(self, x: Tensor) -> Tensor:
         if self.with_cp and x.requires_grad:
@@ -105,17 +120,12 @@ class BasicBlockEnd:
         out = self.relu(self.norm1(self.conv1(x)))
         return self.end(self.conv2(out), x)
 
-    def end(self, out: Tensor, x: Tensor) -> Tensor:
-        """``relu(norm2(out) + shortcut(x))``: the block's end, given its last conv's output."""
-        identity = x if self.downsample is None else self.downsample(x)
-        return residual_end(out, identity, self.norm2, producer=self.conv2)
 
+class BottleneckEnd(ResidualBlockEnd):
+    """A host ``Bottleneck`` ending in :meth:`end`; with plugins or ``with_cp`` the host's
+    forward runs."""
 
-class BottleneckEnd:
-    """A host ``Bottleneck`` whose forward ends in :meth:`end` (put it first in the MRO).
-
-    As :class:`BasicBlockEnd`; with plugins or ``with_cp`` the host's forward runs.
-    """
+    last_conv, last_norm = 'conv3', 'norm3'
 
     def forward(self, x: Tensor) -> Tensor:
         if self.with_plugins or (self.with_cp and x.requires_grad):
@@ -123,11 +133,6 @@ class BottleneckEnd:
         out = self.relu(self.norm1(self.conv1(x)))
         out = self.relu(self.norm2(self.conv2(out)))
         return self.end(self.conv3(out), x)
-
-    def end(self, out: Tensor, x: Tensor) -> Tensor:
-        """``relu(norm3(out) + shortcut(x))``: the block's end, given its last conv's output."""
-        identity = x if self.downsample is None else self.downsample(x)
-        return residual_end(out, identity, self.norm3, producer=self.conv3)
 
 
 class KCLAResNetMixin:
