@@ -129,3 +129,12 @@ def tiny_unet_options(data_root: str, iters: int, val_interval: int) -> list:
     for loader in ('val_dataloader', 'test_dataloader'):
         opts.append(f'{loader}.dataset.pipeline.1.scale=(64,64)')
     return opts
+
+
+def load_tool(path, name: str):
+    """The module of a script under ``tools/`` (which is no package), loaded as ``name``."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,9 +1,9 @@
 """tools/analysis_tools/benchmark_inference.py: its table and its interleaved timing."""
-import importlib.util
 import json
 import os.path as osp
 
 import pytest
+from utils import load_tool
 
 pytest.importorskip('onnxruntime', reason='the deploy extra is not installed '
                     '(pip install -e .[deploy])')
@@ -12,14 +12,7 @@ ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'benchmark_inference.py')
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location('kcla_benchmark_inference', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_tool()
+bench = load_tool(TOOL, 'kcla_benchmark_inference')
 
 
 def test_rounds_rotate_the_order_and_drop_the_warmup():

@@ -5,7 +5,6 @@ R-CNN), built and saved with mmengine as tools/train.py saves them, and run on
 the demos' synthetic images.
 """
 import glob
-import importlib.util
 import json
 import os.path as osp
 import subprocess
@@ -15,7 +14,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from utils import randomize_norms
+from utils import load_tool, randomize_norms
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'infer.py')
@@ -24,14 +23,7 @@ SEG_CONFIG = osp.join(ROOT, 'configs', 'unet',
 DET_CONFIG = osp.join(ROOT, 'configs', 'kcla', 'demo', 'faster-rcnn_kcla-r18_fpn_synthetic.py')
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location('kcla_infer', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-infer = load_tool()
+infer = load_tool(TOOL, 'kcla_infer')
 
 
 def save_model(config: str, path: str, dataset_meta=None):

@@ -16,7 +16,7 @@ onnx = pytest.importorskip('onnx', reason='the deploy extra is not installed '
 pytest.importorskip('onnxruntime', reason='the deploy extra is not installed '
                     '(pip install -e .[deploy])')
 
-from utils import randomize_norms  # noqa: E402
+from utils import load_tool, randomize_norms  # noqa: E402
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'deployment', 'pytorch2onnx.py')
@@ -31,14 +31,7 @@ METHODS = ['KCLA', 'FullLayerAttention', 'MRLALight', None]
 pytestmark = pytest.mark.usefixtures('one_thread')
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location('kcla_pytorch2onnx', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-p2o = load_tool()
+p2o = load_tool(TOOL, 'kcla_pytorch2onnx')
 
 
 def tiny_backbone(method, depth=18, seed=0):

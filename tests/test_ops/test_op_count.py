@@ -12,11 +12,11 @@ _unsafe_view; or no tensor output) and allocations that write nothing
 (empty*). Counted on CPU with the fused kernels off and the recomputed tail
 replayed through autograd, the path CUDA tensors run.
 """
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from utils import load_tool
 
 from kcla_mm.ops import KCLA, KCLAState, fused_kernels
 from kcla_mm.ops.recompute import autograd_replay
@@ -26,10 +26,7 @@ TOOL = Path(__file__).resolve().parents[2] / 'tools' / 'analysis_tools' / 'count
 
 @pytest.fixture(scope='module')
 def tool():
-    spec = importlib.util.spec_from_file_location('kcla_count_ops_tool', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(TOOL, 'kcla_count_ops_tool')
 
 
 def _inputs(requires_grad):

@@ -1,6 +1,5 @@
 """tools/analysis_tools/multi_run.py: mean ± std over runs."""
 import glob
-import importlib.util
 import json
 import math
 import os.path as osp
@@ -10,16 +9,14 @@ import sys
 import numpy as np
 import pytest
 from test_heldout_e2e import CONFIG, ROOT, three_way_data, tiny
+from utils import load_tool
 
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'multi_run.py')
 
 
 @pytest.fixture(scope='module')
 def multi_run():
-    spec = importlib.util.spec_from_file_location('multi_run', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(TOOL, 'multi_run')
 
 
 def test_summary_is_mean_and_sample_std_by_hand(multi_run):
