@@ -111,12 +111,16 @@ class _PoolHW(torch.autograd.Function):
         return (grad / (h * w)).to(ctx.dtype)[:, :, None, None].expand(b, c, h, w), None
 
 
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (the plain ops are traced there)."""
+    compiler = getattr(torch, 'compiler', None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
 def global_pool(x: Tensor) -> Tensor:
     """``x.mean((2, 3))`` in :func:`compute_dtype`, ``[B, C]``; see :class:`_PoolHW`."""
     dtype = compute_dtype(x.dtype)
-    compiler = getattr(torch, 'compiler', None)
-    if (x.dim() != 4 or not (torch.is_grad_enabled() and x.requires_grad)
-            or (compiler is not None and compiler.is_compiling())):
+    if x.dim() != 4 or not (torch.is_grad_enabled() and x.requires_grad) or compiling():
         return x.mean((2, 3), dtype=dtype)
     return _PoolHW.apply(x, dtype)
 

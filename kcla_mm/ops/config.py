@@ -29,6 +29,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .common import compiling
+
 ENV = 'KCLA_MM_CPU_KERNELS'
 
 _override: Optional[bool] = None
@@ -88,8 +90,7 @@ def fused_call(op: str, *args: Any) -> Any:
     Every fast path returns ``None`` where it does not apply to its inputs;
     the caller then computes the plain way.
     """
-    compiler = getattr(torch, 'compiler', None)
-    if not use_fused_kernels() or (compiler is not None and compiler.is_compiling()):
-        return None  # (torch.compile traces the plain ops)
+    if not use_fused_kernels() or compiling() or torch.jit.is_tracing():
+        return None  # (torch.compile and tracing record the plain ops)
     backend = fused_backend()
     return None if backend is None else getattr(backend, op)(*args)

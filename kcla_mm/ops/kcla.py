@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .common import (BlockPosition, DropPath, NormLayer, check_batch, check_drop_path, check_heads,
-                     check_input, eca, eca_conv, fold_norm, global_pool, pooled_qk, value_conv)
+                     check_input, compiling, eca, eca_conv, fold_norm, global_pool, pooled_qk,
+                     value_conv)
 from .config import fused_call
 from .kcla_state import KCLAState
-from .recompute import RecomputedTail, compiling, recomputable
+from .recompute import RecomputedTail, recomputable
 
 __all__ = ['KCLA', 'KCLAState', 'log_uniform_inverse_temperatures']
 
@@ -133,12 +134,9 @@ class KCLA(nn.Module):
         # here they are a non-persistent buffer and the converter checks them.
         # Kept in float64 whatever the module's dtype (see ``_apply``), so that
         # ``.half()``/``.float()`` never round the temperatures.
-        self.register_buffer(
-            'inv_tau', log_uniform_inverse_temperatures(self.num_heads, self.temperature_range),
-            persistent=False)
-        #: the same in float32, for the logits of float32 keys (a plain attribute,
-        #: rebuilt with ``inv_tau`` in ``_apply``)
-        self.inv_tau_float32 = self.inv_tau.float()
+        # A float32 copy (a plain attribute) serves the logits of float32 keys.
+        self.register_buffer('inv_tau', None, persistent=False)
+        self._set_temperatures()
 
         self.adjust = self.wk_u = self.norm_u = None
         if self.renorm:

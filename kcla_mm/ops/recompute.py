@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .common import compiling
+
 _ANALYTIC_BACKWARD = True
 
 
@@ -38,12 +40,6 @@ def autograd_replay() -> Iterator[None]:
         yield
     finally:
         _ANALYTIC_BACKWARD = before
-
-
-def compiling() -> bool:
-    """Whether ``torch.compile`` is tracing (the plain ops are traced there)."""
-    compiler = getattr(torch, 'compiler', None)
-    return bool(compiler is not None and compiler.is_compiling())
 
 
 def recomputable(norm: nn.Module) -> bool:

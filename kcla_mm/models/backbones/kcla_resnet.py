@@ -31,14 +31,6 @@ def _as_tuple(value, name: str) -> Tuple[int, ...]:
         raise ValueError(f'{name} must be an int or a sequence of ints, got {name}={value!r}')
 
 
-def _as_seq(value, name: str) -> tuple:
-    try:
-        return tuple(value)
-    except TypeError:
-        raise ValueError(f'{name} must be a sequence with one entry per stage, '
-                         f'got {name}={value!r}')
-
-
 def _layer_attn_cfg(layer_attn) -> Optional[dict]:
     """``layer_attn`` as a config dict: a type name is ``dict(type=name)``."""
     if layer_attn is None:
@@ -236,8 +228,9 @@ class KCLAResNetMixin:
                              f'num_stages={num_stages} (valid: 0..{num_stages - 1})')
         for name in ('strides', 'dilations', 'stage_with_dcn'):
             value = kwargs.get(name)
-            if value is not None and len(_as_seq(value, name)) != num_stages:
-                raise ValueError(f'{name}={tuple(value)!r} must have one entry per stage: '
+            value = None if value is None else _as_tuple(value, name)
+            if value is not None and len(value) != num_stages:
+                raise ValueError(f'{name}={value!r} must have one entry per stage: '
                                  f'num_stages={num_stages} entries, got {len(value)}')
         frozen = kwargs.get('frozen_stages', -1)
         if not -1 <= frozen <= num_stages:

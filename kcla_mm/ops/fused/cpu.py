@@ -15,8 +15,9 @@ where the kernels do not apply, and then the caller computes the plain way:
   :class:`~.cpu_autograd.ResidualReluPool` with autograd.
 
 Common to all: float32 CPU maps in the channels-last layout, plain
-``BatchNorm2d`` norms, no autocast, no ``torch.compile`` or JIT tracing (they
-trace the plain ops), and kernels that built (:mod:`.build`).
+``BatchNorm2d`` norms, no autocast, and kernels that built (:mod:`.build`);
+``torch.compile`` and JIT tracing never reach here (the seam,
+:func:`kcla_mm.ops.config.fused_call`, leaves them the plain ops).
 
 The block-end kernels also return the global pool of the map they write,
 which a KCLA step would compute in a pass of its own. The pool is kept here,
@@ -33,7 +34,6 @@ from torch import Tensor, nn
 
 from ..common import _cached_norm_affine, member
 from ..kcla_state import KCLAState
-from ..recompute import compiling
 from . import build
 from .cpu_autograd import (BlockEnd, FusedAdapt, FusedStep, ResidualReluPool, adapt_applicable,
                            applicable, block_end_applicable, plain_batchnorm)
@@ -53,9 +53,9 @@ def _foldable(norm: nn.Module) -> bool:
 
 
 def _cpu_float_map(x: Tensor) -> bool:
+    # (compiling and tracing are ruled out by the seam, kcla_mm.ops.config.fused_call)
     return (x.device.type == 'cpu' and x.dtype == torch.float32 and x.dim() == 4
-            and x.is_contiguous(memory_format=CL) and not compiling()
-            and not torch.jit.is_tracing())
+            and x.is_contiguous(memory_format=CL))
 
 
 _POOLS = threading.local()
