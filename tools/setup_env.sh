@@ -7,9 +7,15 @@
 #
 # Environment:
 #   KCLA_VENV       venv path (default: <repo>/.venv)
-#   KCLA_TORCH      torch requirement to install first (default: torch==2.13.0).
-#                   GPU users: install a CUDA torch into the venv first and set
-#                   KCLA_TORCH=skip.
+#   KCLA_TORCH      torch (and torchvision) requirements to install first
+#                   (default: "torch===2.13.0 torchvision==0.28.0": the
+#                   registry's build, made for CUDA, which runs on CPU-only
+#                   machines as well; torchvision is what mmpretrain imports).
+#                   "===" asks for exactly that release, not a local "+cpu"
+#                   file that a machine's find-links may also offer: PyPI's
+#                   torchvision cannot load beside a CPU-only torch. Another
+#                   CUDA build: install torch and torchvision into the venv
+#                   first and set KCLA_TORCH=skip.
 #   KCLA_WHEEL_DIR  where the mmcv wheel is cached.
 #   MAX_JOBS        parallel compile jobs for mmcv (default: nproc).
 #   KCLA_EXTRAS     optional extras of setup.cfg to install too, comma-separated,
@@ -19,7 +25,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KCLA_VENV:-$ROOT/.venv}"
-TORCH_REQ="${KCLA_TORCH:-torch==2.13.0}"
+TORCH_REQ="${KCLA_TORCH:-torch===2.13.0 torchvision==0.28.0}"
 WHEEL_DIR="${KCLA_WHEEL_DIR:-$HOME/.cache/kcla_mm/wheels}"
 PY="$VENV/bin/python"
 STAMP="$VENV/.kcla_mm_installed"
@@ -36,7 +42,7 @@ fi
 want="$( (cat "$ROOT/requirements.txt" "$ROOT/setup.cfg"; echo "extras=$EXTRAS") \
     | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-        && "$PY" -c "import mmcv.ops, mmdet, mmseg, kcla_mm" 2>/dev/null; then
+        && "$PY" -c "import mmcv.ops, mmdet, mmseg, mmpretrain, kcla_mm" 2>/dev/null; then
     log "environment up to date ($VENV)"
     exit 0
 fi
@@ -46,9 +52,10 @@ PIP=("$PY" -m pip --disable-pip-version-check)
 
 if [ "$TORCH_REQ" != "skip" ]; then
     log "installing $TORCH_REQ"
-    "${PIP[@]}" install -q "$TORCH_REQ"
+    # shellcheck disable=SC2086  # several requirements, split on spaces
+    "${PIP[@]}" install -q $TORCH_REQ
 fi
-"$PY" -c "import torch; print('[setup_env] torch', torch.__version__)"
+"$PY" -c "import torch, torchvision; print('[setup_env] torch', torch.__version__, 'torchvision', torchvision.__version__)"
 
 # numpy<2 before mmcv so the build and the ops see the same ABI.
 "${PIP[@]}" install -q "numpy<2" "opencv-python<4.12"
@@ -62,7 +69,9 @@ if ! "$PY" -c "import mmcv.ops" 2>/dev/null; then
         log "building mmcv 2.1.0 with compiled ops (first run only, ~15 min on 2 cores)"
         export MMCV_WITH_OPS=1 FORCE_CUDA="${FORCE_CUDA:-0}"
         export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-        "${PIP[@]}" wheel --no-build-isolation --no-deps -w "$tagged" mmcv==2.1.0
+        # --no-cache-dir: pip's own wheel cache ignores which torch a wheel
+        # was built against; this build is for the torch installed above
+        "${PIP[@]}" wheel --no-cache-dir --no-build-isolation --no-deps -w "$tagged" mmcv==2.1.0
     else
         log "reusing cached mmcv wheel from $tagged"
     fi
@@ -81,7 +90,7 @@ if [ -n "$EXTRAS" ]; then
     "${PIP[@]}" install -q --no-build-isolation -e "$ROOT[$EXTRAS]"
 fi
 
-"$PY" -c "import mmcv.ops, mmdet, mmseg, kcla_mm; print('[setup_env] mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__)"
+"$PY" -c "import mmcv.ops, mmdet, mmseg, mmpretrain, kcla_mm; print('[setup_env] mmcv', mmcv.__version__, 'mmdet', mmdet.__version__, 'mmseg', mmseg.__version__, 'mmpretrain', mmpretrain.__version__)"
 # the fused CPU inference kernels of KCLA (built once per machine type into
 # torch's extension cache; without a compiler the eager path runs instead)
 if "$PY" -m kcla_mm.ops.fused.build >/dev/null 2>&1; then

@@ -1,4 +1,4 @@
-"""The installed stack works: compiled mmcv ops, both hosts, config inheritance."""
+"""The installed stack works: compiled mmcv ops, the three hosts, config inheritance."""
 import pytest
 import torch
 from mmengine.config import Config
@@ -23,11 +23,21 @@ def test_versions_are_the_pinned_ones():
     import mmcv
     import mmdet
     import mmengine
+    import mmpretrain
     import mmseg
     import numpy
-    assert (mmcv.__version__, mmengine.__version__, mmdet.__version__, mmseg.__version__) == \
-        ('2.1.0', '0.10.7', '3.3.0', '1.2.2')
+    assert (mmcv.__version__, mmengine.__version__, mmdet.__version__, mmseg.__version__,
+            mmpretrain.__version__) == ('2.1.0', '0.10.7', '3.3.0', '1.2.2', '1.2.0')
     assert int(numpy.__version__.split('.')[0]) < 2
+
+
+def test_torchvision_loads_its_compiled_ops_beside_torch():
+    # mmpretrain imports torchvision; a torchvision built for another torch
+    # fails at import ("operator torchvision::nms does not exist")
+    import torchvision
+    boxes = torch.tensor([[0, 0, 10, 10], [1, 1, 11, 11], [50, 50, 60, 60]], dtype=torch.float32)
+    keep = torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5)
+    assert keep.tolist() == [0, 2]
 
 
 def _write(tmp_path, name, text):
@@ -74,7 +84,24 @@ model = dict(
     assert out.shape[:2] == (1, 19)
 
 
-@pytest.mark.parametrize('scope', ['mmdet', 'mmseg'])
+def test_mmpretrain_config_inheritance_builds_a_kcla_classifier(tmp_path):
+    from mmengine.registry import init_default_scope
+    from mmpretrain.registry import MODELS
+    cfg = Config.fromfile(_write(tmp_path, 'cls.py', '''
+_base_ = 'mmpretrain::resnet/resnet18_8xb32_in1k.py'
+custom_imports = dict(imports=['kcla_mm'], allow_failed_imports=False)
+model = dict(backbone=dict(type='KCLAResNet', base_channels=16, head_dim=16),
+             head=dict(num_classes=7, in_channels=128))
+'''))
+    init_default_scope(cfg.default_scope)
+    model = MODELS.build(cfg.model)
+    assert type(model.backbone).__name__ == 'KCLAResNetCls'
+    assert model.backbone.depth == 18 and model.backbone.layer_attn_cfg == {'type': 'KCLA'}
+    logits = model(torch.rand(2, 3, 64, 64), mode='tensor')
+    assert logits.shape == (2, 7)
+
+
+@pytest.mark.parametrize('scope', ['mmdet', 'mmseg', 'mmpretrain'])
 def test_every_component_is_registered_in_each_scope(scope):
     import importlib
 

@@ -12,6 +12,8 @@ import sys
 import mmcv.transforms  # noqa: F401
 import mmdet.datasets  # noqa: F401
 import mmdet.models  # noqa: F401
+import mmpretrain.datasets  # noqa: F401
+import mmpretrain.models  # noqa: F401
 import mmseg.datasets  # noqa: F401
 import mmseg.models  # noqa: F401
 import torch

@@ -98,8 +98,25 @@ def compile_flags() -> list:
     return flags
 
 
+def _cpp_extension_load():
+    """``torch.utils.cpp_extension.load``, imported without its CUDA_HOME warning.
+
+    A CUDA build of torch on a machine without a GPU warns at that import that
+    no CUDA runtime is found; these kernels are C++ for the CPU and never use it.
+    """
+    import logging
+    logger = logging.getLogger('torch.utils.cpp_extension')
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load
+    finally:
+        logger.setLevel(level)
+    return load
+
+
 def _build(verbose: bool = False) -> None:
-    from torch.utils.cpp_extension import load
+    load = _cpp_extension_load()
     load(name=f'kcla_mm_cpu_{_cpu_tag()}', sources=[str(p) for p in _SOURCES],
          extra_cflags=compile_flags(), extra_ldflags=['-fopenmp'], is_python_module=False,
          verbose=verbose)
@@ -182,7 +199,7 @@ def build_variant(csrc: Path, workdir: Path, prefix: str,
             text = p.read_text()
             (dst / p.name).write_text(renamespaced(text, namespace) if p.suffix == '.cpp'
                                       else text)
-    from torch.utils.cpp_extension import load
+    load = _cpp_extension_load()
     load(name=f'{namespace}_ext', sources=[str(dst / p.name) for p in sources],
          extra_cflags=flags, extra_ldflags=['-fopenmp'], is_python_module=False)
     return namespace
