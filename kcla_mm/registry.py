@@ -1,15 +1,20 @@
-"""Registration of kcla_mm's components in the mmdet and mmseg scopes.
+"""Registration of kcla_mm's components in the mmdet, mmseg and mmpretrain scopes.
 
 The only module that knows about host registries. ``import kcla_mm`` (or
 ``custom_imports=dict(imports=['kcla_mm'])``) calls :func:`register_all`, which
 registers every component under its bare type name in each host that is
-installed, so configs with ``default_scope='mmdet'`` and configs with
-``default_scope='mmseg'`` both find them. A host that is not installed is
-skipped: segmentation needs nothing from mmdet, detection nothing from mmseg.
+installed, so configs with ``default_scope`` ``'mmdet'``, ``'mmseg'`` or
+``'mmpretrain'`` all find them. A host that is not installed is skipped:
+segmentation needs nothing from mmdet, detection nothing from mmseg, neither
+anything from mmpretrain. A host that is installed but fails to import (such as
+mmpretrain beside a torchvision built for another torch) is skipped with a
+warning that names the error.
 
 Each entry is ``(registry name, 'module:attribute', registered name)``.
 """
 import importlib
+import importlib.util
+import warnings
 from typing import Dict, List, Tuple
 
 Entry = Tuple[str, str, str]
@@ -39,7 +44,15 @@ SEG_COMPONENTS: List[Entry] = [
      'ForegroundIoUMetric'),
 ]
 
-HOSTS: Dict[str, List[Entry]] = {'mmdet': DET_COMPONENTS, 'mmseg': SEG_COMPONENTS}
+#: mmpretrain scope (``mmpretrain.registry``): classification pretraining.
+CLS_COMPONENTS: List[Entry] = [
+    ('MODELS', 'kcla_mm.models.backbones.mmpretrain_kcla_resnet:KCLAResNetCls', 'KCLAResNet'),
+    ('MODELS', 'kcla_mm.models.backbones.cifar_kcla_resnet:CifarKCLAResNet', 'CifarKCLAResNet'),
+    ('DATASETS', 'kcla_mm.datasets.cifar:OfflineCIFAR100', 'OfflineCIFAR100'),
+]
+
+HOSTS: Dict[str, List[Entry]] = {'mmdet': DET_COMPONENTS, 'mmseg': SEG_COMPONENTS,
+                                 'mmpretrain': CLS_COMPONENTS}
 
 _registered: Dict[str, List[str]] = {}
 
@@ -58,9 +71,14 @@ def register_all() -> Dict[str, List[str]]:
     for host, entries in HOSTS.items():
         if host in _registered:
             continue
+        if importlib.util.find_spec(host) is None:
+            continue  # not installed
         try:
             registry_module = importlib.import_module(f'{host}.registry')
-        except ImportError:
+        except Exception as e:  # installed but broken (e.g. its torchvision)
+            warnings.warn(f'kcla_mm: {host} is installed but cannot be imported ({type(e).__name__}: '
+                          f'{e}); its configs cannot use kcla_mm components', stacklevel=2)
+            _registered[host] = []
             continue
         names = []
         for registry_name, path, name in entries:

@@ -8,10 +8,13 @@ baseline, measured in the same run.
 Two depth families:
 
 * ``imagenet``: ResNet-50/101/152 (Bottleneck, 4 stages, ``head_dim=64``);
-* ``cifar``: the CIFAR ResNets of He et al. (2016, section 4.2), depth
-  ``6n + 2``: a 3x3 stem without max-pooling, then 3 stages of ``n``
-  BasicBlocks of 16, 32 and 64 channels (``head_dim=16``). Deep and narrow, so
-  the quadratic history of exact layer attention shows.
+* ``cifar``: the CIFAR ResNets (``CifarKCLAResNet``, the backbone of the
+  CIFAR-100 configs): a 3x3 stem without max-pooling, then 3 stages of ``n``
+  blocks (``head_dim=16``). By default the BasicBlock networks of He et al.
+  (2016, section 4.2), depth ``6n + 2``, 16, 32 and 64 channels;
+  ``cifar_block='Bottleneck'`` gives the layer-attention papers' networks,
+  depth ``9n + 2``, 64, 128 and 256 channels. Deep and narrow, so the
+  quadratic history of exact layer attention shows.
 
 Measurements (see :func:`measure_times` and :func:`peak_train_memory`):
 
@@ -205,7 +208,8 @@ class Candidate:
 
 def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
                    channels_last: Optional[bool] = None,
-                   recompute_attn_outputs: bool = True) -> nn.Module:
+                   recompute_attn_outputs: bool = True,
+                   cifar_block: str = 'BasicBlock') -> nn.Module:
     """The backbone of a candidate (random initialisation, BatchNorm in training mode).
 
     Args:
@@ -215,25 +219,26 @@ def build_backbone(family: str, depth: int, method: str, tiny: bool = False,
         tiny: a quarter of the ImageNet widths / half of the CIFAR widths (smoke tests).
         channels_last: the backbone's ``channels_last`` argument (``None``: its default).
         recompute_attn_outputs: the backbone's argument of that name.
+        cifar_block: the ``block`` of the ``cifar`` family, ``'BasicBlock'``
+            (depth ``6n + 2``) or ``'Bottleneck'`` (``9n + 2``).
     """
     if method not in METHODS:
         raise ValueError(f'method={method!r}; choose from {METHODS}')
-    # the host (mmdet) is imported here, not with this module
-    from ..models.backbones.cifar_kcla_resnet import CifarKCLAResNet
-    from ..models.backbones.mmdet_kcla_resnet import KCLAResNet
+    # the hosts (mmdet; mmpretrain for the CIFAR family) are imported here,
+    # not with this module
     layer_attn = None if method == 'none' else dict(type=method)
     kw: Dict[str, Any] = dict(layer_attn=layer_attn, channels_last=channels_last,
                               recompute_attn_outputs=recompute_attn_outputs)
     if family == 'imagenet':
+        from ..models.backbones.mmdet_kcla_resnet import KCLAResNet
         if tiny:
             kw.update(base_channels=16, head_dim=16)
         model = KCLAResNet(depth=depth, out_indices=(3, ), norm_eval=False, init_cfg=None, **kw)
     elif family == 'cifar':
-        if (depth - 2) % 6 or depth < 8:
-            raise ValueError(f'a CIFAR ResNet has depth 6n + 2 (8, 14, 20, ...), got {depth}')
+        from ..models.backbones.cifar_kcla_resnet import CifarKCLAResNet
         if tiny:
-            kw.update(base_channels=8, head_dim=8)
-        model = CifarKCLAResNet(depth=depth, init_cfg=None, **kw)
+            kw.update(stem_channels=8, base_channels=8, head_dim=8)
+        model = CifarKCLAResNet(depth=depth, block=cifar_block, init_cfg=None, **kw)
     else:
         raise ValueError(f"family={family!r}; choose 'imagenet' or 'cifar'")
     if method != 'none':

@@ -1,7 +1,8 @@
-"""KCLAResNet on both hosts: shapes, host semantics, keys, init, checkpoints."""
+"""KCLAResNet on the three hosts: shapes, host semantics, keys, init, checkpoints."""
 import pytest
 import torch
 from mmdet.models.backbones import ResNet as DetResNet
+from mmpretrain.models.backbones import ResNet as ClsResNet
 from mmseg.models.backbones import ResNet as SegResNet
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -9,11 +10,13 @@ from utils import params_without_grad, randomize_norms
 
 import kcla_mm.ops as ops
 from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg
+from kcla_mm.models.backbones.mmpretrain_kcla_resnet import KCLAResNetCls
 from kcla_mm.ops import KCLA, FullLayerAttention, MRLALight
 from kcla_mm.ops.kcla_reference import kcla_step
 
 METHODS = {'KCLA': KCLA, 'FullLayerAttention': FullLayerAttention, 'MRLALight': MRLALight}
-HOSTS = [(KCLAResNet, DetResNet), (KCLAResNetSeg, SegResNet)]
+HOSTS = [(KCLAResNet, DetResNet), (KCLAResNetSeg, SegResNet), (KCLAResNetCls, ClsResNet)]
+CLASSES = [cls for cls, _ in HOSTS]
 
 
 def tiny(cls=KCLAResNet, depth=50, method='KCLA', **kw):
@@ -21,7 +24,7 @@ def tiny(cls=KCLAResNet, depth=50, method='KCLA', **kw):
     base = 8
     kw.setdefault('head_dim', 8)
     layer_attn = None if method is None else dict(type=method)
-    if cls is KCLAResNetSeg:
+    if cls is not KCLAResNet:  # mmdet's stem follows base_channels, the others' do not
         kw.setdefault('stem_channels', base)
     return cls(depth=depth, base_channels=base, layer_attn=layer_attn, **kw)
 
@@ -41,7 +44,7 @@ def test_stage_shapes(depth, method):
 
 
 @pytest.mark.parametrize('out_indices', [(0, ), (3, ), (1, 3), (0, 1, 2, 3)])
-@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+@pytest.mark.parametrize('cls', CLASSES)
 def test_out_indices(cls, out_indices):
     outs = tiny(cls, depth=18, out_indices=out_indices).eval()(torch.rand(1, 3, 32, 32))
     assert [o.shape[1] for o in outs] == [8 * 2**i for i in out_indices]
@@ -50,7 +53,7 @@ def test_out_indices(cls, out_indices):
 @pytest.mark.parametrize('cls, host', HOSTS)
 def test_layer_attn_none_is_exactly_the_host(cls, host):
     ours = tiny(cls, depth=50, method=None)
-    kw = dict(stem_channels=8) if host is SegResNet else {}
+    kw = {} if host is DetResNet else dict(stem_channels=8)
     ref = host(depth=50, base_channels=8, **kw)
     assert list(ours.state_dict()) == list(ref.state_dict())
     ref.load_state_dict(ours.state_dict(), strict=True)
@@ -64,7 +67,7 @@ def test_layer_attn_none_is_exactly_the_host(cls, host):
 @pytest.mark.parametrize('method', list(METHODS))
 def test_resnet_part_keys_equal_the_host(cls, host, method):
     ours = tiny(cls, depth=50, method=method)
-    kw = dict(stem_channels=8) if host is SegResNet else {}
+    kw = {} if host is DetResNet else dict(stem_channels=8)
     host_keys = set(host(depth=50, base_channels=8, **kw).state_dict())
     keys = set(ours.state_dict())
     assert keys - host_keys and all('_attn.' in k for k in keys - host_keys)
@@ -129,7 +132,7 @@ def test_every_trainable_parameter_gets_a_gradient(method):
     assert params_without_grad(model) == []
 
 
-@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+@pytest.mark.parametrize('cls', CLASSES)
 @pytest.mark.parametrize('method', list(METHODS))
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])  # fused CPU kernels, autograd
 def test_gradients_have_their_parameters_strides(cls, method, dtype):
@@ -205,7 +208,7 @@ def test_parameter_count_of_kcla_r50_against_the_reference():
     assert plain + n + 236 + 8709 + 2_049_000 == 25_859_078
 
 
-@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+@pytest.mark.parametrize('cls', CLASSES)
 def test_a_layer_attention_type_name_is_its_config(cls):
     # layer_attn='KCLA' builds exactly what dict(type='KCLA') builds
     torch.manual_seed(0)
@@ -221,8 +224,9 @@ def test_a_layer_attention_type_name_is_its_config(cls):
 def test_doctest_examples_run():
     import doctest
 
-    from kcla_mm.models.backbones import mmdet_kcla_resnet, mmseg_kcla_resnet
-    for mod in (mmdet_kcla_resnet, mmseg_kcla_resnet):
+    from kcla_mm.models.backbones import (mmdet_kcla_resnet, mmpretrain_kcla_resnet,
+                                          mmseg_kcla_resnet)
+    for mod in (mmdet_kcla_resnet, mmseg_kcla_resnet, mmpretrain_kcla_resnet):
         res = doctest.testmod(mod)
         assert res.attempted > 0 and res.failed == 0
 
@@ -241,7 +245,7 @@ def test_doctest_examples_run():
     (dict(depth=50, strides=(1, 2, 2)), r'strides=\(1, 2, 2\).*num_stages=4'),
     (dict(depth=50, dilations=(1, 1, 1, 1, 1)), r'dilations=.*5'),
 ])
-@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+@pytest.mark.parametrize('cls', CLASSES)
 def test_bad_arguments_raise_at_build_time(cls, kwargs, match):
     # every invalid backbone argument names itself and its value
     with pytest.raises(ValueError, match=match):
@@ -249,13 +253,13 @@ def test_bad_arguments_raise_at_build_time(cls, kwargs, match):
 
 
 @pytest.mark.parametrize('training', [False, True])
-@pytest.mark.parametrize('cls', [KCLAResNet, KCLAResNetSeg])
+@pytest.mark.parametrize('cls', CLASSES)
 def test_backbone_equals_the_reference_step_by_step(cls, training):
     # the backbone's threading of the state (plain ops, eval-mode folding of
     # the attention BN, recomputation in training) against the paper's step
     # (kcla_reference) applied after each host block, in float64
     torch.manual_seed(0)
-    model = tiny(cls, depth=50, norm_eval=False).double().train(training)
+    model = tiny(cls, depth=50, norm_eval=False, out_indices=(0, 1, 2, 3)).double().train(training)
     randomize_norms(model)
     x = torch.rand(2, 3, 32, 32, dtype=torch.float64)
     with ops.fused_kernels(False):

@@ -9,9 +9,11 @@ number of blocks, where KCLA's cost per block is flat and exact layer
 attention's grows with depth.
 
 Depth families: ResNet-50/101/152 (--depths; batch 4 at 224x224 by default)
-and CIFAR-style ResNets of depth 6n+2 (--cifar-depths 20 56 110 254; 3 stages
-of n BasicBlocks, 16/32/64 channels; batch 16 at 32x32), deep enough for the
-quadratic term of exact layer attention to show.
+and CIFAR-style ResNets (--cifar-depths 20 56 110 254; CifarKCLAResNet, 3 stages
+of n blocks; batch 16 at 32x32): by default of BasicBlocks, depth 6n+2, 16/32/64
+channels; with --cifar-block Bottleneck the layer-attention papers' networks,
+depth 9n+2, 64/128/256 channels. Deep enough for the quadratic term of exact
+layer attention to show.
 
 Method: candidates are interleaved: each of --warmup + --repeats rounds runs
 every candidate (--inner forwards back to back, then --inner training steps,
@@ -65,6 +67,7 @@ from kcla_mm.analysis.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, 
                                         cpu_features, cpu_name, dump_results, load_results,
                                         markdown_table, plot, pooled_ratio_table,
                                         restart_with_tuned_allocator, round_ratio_table, run)
+from kcla_mm.models.backbones.cifar_kcla_resnet import CIFAR_BLOCKS, cifar_stage_blocks
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
              repeats=1, warmup=0, threads=1, inner=1)
@@ -93,8 +96,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help=f'ResNet depths (18, 34, 50, 101, 152; none: skip the family); '
                         f'default {FULL["depths"]}')
     parser.add_argument('--cifar-depths', type=int, nargs='*', default=None,
-                        help=f'CIFAR ResNet depths 6n+2 (none: skip the family); default '
+                        help=f'CIFAR ResNet depths (6n+2 or 9n+2, see --cifar-block; none: '
+                        f'skip the family); default '
                         f'{FULL["cifar_depths"]}')
+    parser.add_argument('--cifar-block', default='BasicBlock', choices=sorted(CIFAR_BLOCKS),
+                        help='block of the CIFAR ResNets: BasicBlock (depth 6n+2, default) or '
+                        'Bottleneck (depth 9n+2, the layer-attention papers\' networks)')
     parser.add_argument('--batch', type=int, default=None,
                         help=f'ResNet batch size (default {FULL["batch"]})')
     parser.add_argument('--size', type=int, default=None,
@@ -171,9 +178,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [d for d in args.depths if d not in (50, 101, 152, 18, 34)]
     if bad:
         parser.error(f'--depths {bad}: ResNet depths are 18, 34, 50, 101, 152')
-    bad = [d for d in args.cifar_depths if d < 8 or (d - 2) % 6]
-    if bad:
-        parser.error(f'--cifar-depths {bad}: CIFAR ResNets have depth 6n+2 (8, 14, 20, ...)')
+    for depth in args.cifar_depths:
+        try:
+            cifar_stage_blocks(depth, args.cifar_block)
+        except ValueError as e:
+            parser.error(f'--cifar-depths: {e}')
     return args
 
 
@@ -288,7 +297,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
             for method in args.methods:
                 model = build_backbone(
                     family, depth, method, tiny=args.quick, channels_last=channels_last,
-                    recompute_attn_outputs=not args.keep_attn_outputs).to(device)
+                    recompute_attn_outputs=not args.keep_attn_outputs,
+                    cifar_block=args.cifar_block).to(device)
                 # (a channels-last backbone keeps its convolution weights
                 # channels-last itself: the model is measured as configs build it)
                 c = Candidate(family, depth, method)
@@ -314,8 +324,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[Candidate, object]:
         f'device: {device_description(device)}; torch {torch.__version__}; '
         f'CPU threads: {torch.get_num_threads()}',
     ] + ([allocator_description()] if device.type == 'cpu' else []) + [
-        f'ResNet: batch {args.batch} at {args.size}x{args.size}; CIFAR ResNet: batch '
-        f'{args.cifar_batch} at {args.cifar_size}x{args.cifar_size}'
+        f'ResNet: batch {args.batch} at {args.size}x{args.size}; CIFAR ResNet '
+        f'({args.cifar_block}s): batch {args.cifar_batch} at {args.cifar_size}x{args.cifar_size}'
         + ('; tiny widths (--quick)' if args.quick else ''),
         f'medians of {args.repeats} interleaved rounds after {args.warmup} warm-up, each the '
         f'fastest of {args.inner} back-to-back runs (eval()/train() called before them, '

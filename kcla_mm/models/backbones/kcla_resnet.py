@@ -1,8 +1,8 @@
 """Layer attention threaded through the stages of a host ResNet.
 
-:class:`KCLAResNetMixin` turns the ResNet of a host library (mmdet or mmseg)
-into a layer-attention ResNet without copying it: the host builds the stem and
-the stages with its own arguments and parameter names; the mixin adds one
+:class:`KCLAResNetMixin` turns the ResNet of a host library (mmdet, mmseg or
+mmpretrain) into a layer-attention ResNet without copying it: the host builds
+the stem and the stages with its own arguments and parameter names; the mixin adds one
 layer-attention module per block (``layer{s}_attn.{i}``), threads the
 operator state through all stages and keeps the host's semantics of
 ``out_indices``, ``frozen_stages``, ``norm_eval`` and ``with_cp``.
@@ -94,6 +94,15 @@ class ResidualBlockEnd:
     last_conv: str
     last_norm: str
 
+    def uses_host_forward(self, x: Tensor) -> bool:
+        """Whether the host's own forward runs instead: activation checkpointing,
+        plugins, or the residual branch's stochastic depth in training
+        (mmpretrain's ``drop_path_rate``, applied before the add)."""
+        drop_path = getattr(self, 'drop_path', None)
+        return ((self.with_cp and x.requires_grad) or getattr(self, 'with_plugins', False)
+                or (self.training and drop_path is not None
+                    and not isinstance(drop_path, nn.Identity)))
+
     def end(self, out: Tensor, x: Tensor) -> Tensor:
         """``relu(last_norm(out) + shortcut(x))``: the block's end, given its last conv's output."""
         identity = x if self.downsample is None else self.downsample(x)
@@ -102,25 +111,24 @@ class ResidualBlockEnd:
 
 
 class BasicBlockEnd(ResidualBlockEnd):
-    """A host ``BasicBlock`` ending in :meth:`end`; with ``with_cp`` the host's forward runs."""
+    """A host ``BasicBlock`` ending in :meth:`end` (see :meth:`uses_host_forward`)."""
 
     last_conv, last_norm = 'conv2', 'norm2'
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.with_cp and x.requires_grad:
+        if self.uses_host_forward(x):
             return super().forward(x)
         out = self.relu(self.norm1(self.conv1(x)))
         return self.end(self.conv2(out), x)
 
 
 class BottleneckEnd(ResidualBlockEnd):
-    """A host ``Bottleneck`` ending in :meth:`end`; with plugins or ``with_cp`` the host's
-    forward runs."""
+    """A host ``Bottleneck`` ending in :meth:`end` (see :meth:`uses_host_forward`)."""
 
     last_conv, last_norm = 'conv3', 'norm3'
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.with_plugins or (self.with_cp and x.requires_grad):
+        if self.uses_host_forward(x):
             return super().forward(x)
         out = self.relu(self.norm1(self.conv1(x)))
         out = self.relu(self.norm2(self.conv2(out)))
@@ -238,7 +246,9 @@ class KCLAResNetMixin:
                              f'got frozen_stages={frozen!r}')
 
     def _make_layer_attn(self, head_dim: Optional[int]) -> None:
-        expansion = self.block.expansion
+        # mmpretrain keeps the expansion on the backbone (an argument there),
+        # mmdet and mmseg on the block class
+        expansion = getattr(self, 'expansion', None) or self.block.expansion
         if head_dim is None:
             head_dim = 64 if expansion > 1 else 16
         norm_cfg = self.norm_cfg
