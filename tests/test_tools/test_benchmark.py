@@ -74,13 +74,16 @@ def test_quick_run_writes_table_and_plot(tmp_path):
     assert (again / 'benchmark.png').read_bytes()[:4] == b'\x89PNG'
 
 
-@pytest.mark.parametrize('depth, n', [(8, 1), (20, 3), (56, 9)])
-def test_cifar_resnet_has_6n_plus_2_layers(depth, n):
-    model = CifarKCLAResNet(depth, layer_attn=dict(type='KCLA')).eval()
+@pytest.mark.parametrize('depth, block, n, width', [
+    (8, 'BasicBlock', 1, 64), (20, 'BasicBlock', 3, 64), (20, 'Bottleneck', 2, 256),
+    (56, 'Bottleneck', 6, 256)])
+def test_cifar_family_builds_the_cifar_backbone(depth, block, n, width):
+    model = build_backbone('cifar', depth, 'KCLA', cifar_block=block).eval()
+    assert type(model) is CifarKCLAResNet and model.cifar_block == block
     assert [len(getattr(model, s)) for s in model.res_layers] == [n] * 3
     assert num_blocks(model) == 3 * n
     out = model(torch.rand(1, 3, 32, 32))
-    assert [tuple(o.shape) for o in out] == [(1, 64, 8, 8)]  # stem keeps 32x32; strides 1, 2, 2
+    assert [tuple(o.shape) for o in out] == [(1, width, 8, 8)]  # stem keeps 32x32; strides 1, 2, 2
 
 
 class _Exec(Exception):
@@ -176,10 +179,12 @@ def test_cpu_features_without_proc_or_sysfs(tmp_path):
     assert bench.cpu_name(str(tmp_path / 'none'))  # what platform knows instead
 
 
-def test_cifar_depth_must_be_6n_plus_2():
-    # 6n + 2 only: a depth of 21 has no CIFAR ResNet.
+def test_cifar_depth_must_fit_the_block():
+    # 6n + 2 for BasicBlocks, 9n + 2 for Bottlenecks: 21 is neither, 14 only the first
     with pytest.raises(ValueError, match='6n'):
         build_backbone('cifar', 21, 'KCLA')
+    with pytest.raises(ValueError, match='9n'):
+        build_backbone('cifar', 14, 'KCLA', cifar_block='Bottleneck')
 
 
 def test_live_tensor_bytes_counts_peak_not_total():
