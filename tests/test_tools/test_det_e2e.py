@@ -166,6 +166,30 @@ def test_dist_scripts_call_torchrun(tmp_path, script, args, tool):
     assert argv[i + len(tool):] == ['--launcher', 'pytorch'] + args[len(tool):]
 
 
+@pytest.mark.parametrize('script, args, tool', [
+    ('slurm_train.sh', ['gpu', 'job', 'cfg.py', 'w x', '--amp'],
+     ['train.py', 'cfg.py', '--work-dir', 'w x', '--amp']),
+    ('slurm_test.sh', ['gpu', 'job', 'cfg.py', 'c.pth', '--out', 'o.pkl'],
+     ['test.py', 'cfg.py', 'c.pth', '--out', 'o.pkl']),
+])
+def test_slurm_scripts_call_srun(tmp_path, script, args, tool):
+    fake = tmp_path / 'srun'
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    fake.chmod(0o755)
+    out = tmp_path / 'args.txt'
+    env = dict(os.environ, PATH=f'{tmp_path}:{os.environ["PATH"]}', PYTHON='py', GPUS='16',
+               SRUN_ARGS='--quotatype=auto --x', ARGS_OUT=str(out))
+    subprocess.run(['bash', osp.join(ROOT, 'tools', script)] + args, check=True, env=env)
+    argv = out.read_text().splitlines()
+    assert argv[:2] == ['-p', 'gpu'] and '--job-name=job' in argv
+    # 16 tasks of one GPU each, 8 per node; the extra srun arguments, split
+    assert {'--ntasks=16', '--ntasks-per-node=8', '--gres=gpu:8'} <= set(argv)
+    assert argv.index('--quotatype=auto') + 1 == argv.index('--x')
+    i = argv.index('py')
+    assert argv[i + 1:] == ['-u', osp.join(ROOT, 'tools', tool[0])] + tool[1:] + [
+        '--launcher', 'slurm']
+
+
 def test_dist_script_usage(tmp_path):
     proc = subprocess.run(['bash', osp.join(ROOT, 'tools', 'dist_train.sh'), 'cfg.py'],
                           capture_output=True, text=True)
