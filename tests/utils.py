@@ -1,9 +1,15 @@
 """Shared predicates and tiny builders for the test suite."""
 import contextlib
 import inspect
+import os
+import os.path as osp
+import subprocess
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import nn
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 
 def assert_finite(t: torch.Tensor, what: str = 'tensor') -> None:
@@ -134,3 +140,24 @@ def load_tool(path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def subprocess_env(**extra: str) -> Dict[str, str]:
+    """The environment for child runs: one thread each (2 shared cores), repo importable."""
+    env = dict(os.environ)
+    env.pop('KCLA_MM_TRUST_CHECKPOINTS', None)
+    env.update(OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get('PYTHONPATH')] if p]))
+    env.update(extra)
+    return env
+
+
+def subprocess_run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+                   check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in the repository root; on failure show its output."""
+    proc = subprocess.run(list(cmd), cwd=ROOT, env=subprocess_env() if env is None else env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f'{cmd} exited with {proc.returncode}:\n{proc.stdout[-6000:]}')
+    return proc

@@ -7,15 +7,14 @@ few thousand parameters (widths 8, ResNet-18).
 """
 import os
 import os.path as osp
-import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import cv2
 import numpy as np
 import torch
+from utils import ROOT
 
-ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 SEG_BASE = osp.join(ROOT, 'configs/unet/unet_kcla-r18-tiny_1xb8-300i_synthetic-kvasir-128x128.py')
 DET_BASE = osp.join(ROOT, 'configs/kcla/demo/faster-rcnn_kcla-r18_fpn_synthetic.py')
 TRAIN = osp.join(ROOT, 'tools/train.py')
@@ -167,27 +166,6 @@ def write_det_config(path: str, data_root: str, max_iters: int = 2, ckpt_interva
         f.write(DET_CONFIG.format(base=DET_BASE, data_root=data_root, max_iters=max_iters,
                                   ckpt_interval=ckpt_interval, batch_size=batch_size) + extra)
     return path
-
-
-def subprocess_env(**extra: str) -> Dict[str, str]:
-    """The environment for child runs: one thread each (2 shared cores), repo importable."""
-    env = dict(os.environ)
-    env.pop('KCLA_MM_TRUST_CHECKPOINTS', None)
-    env.update(OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
-               PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get('PYTHONPATH')] if p]))
-    env.update(extra)
-    return env
-
-
-def subprocess_run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
-                   check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in the repository root; on failure show its output."""
-    proc = subprocess.run(list(cmd), cwd=ROOT, env=subprocess_env() if env is None else env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f'{cmd} exited with {proc.returncode}:\n{proc.stdout[-6000:]}')
-    return proc
 
 
 def run_script(path: str, argv: List[str], monkeypatch) -> None:

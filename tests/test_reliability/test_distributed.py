@@ -17,9 +17,9 @@ from typing import Tuple
 
 import pytest
 import torch
-from reliability_utils import (DIST_TRAIN, subprocess_env, subprocess_run, write_det_config,
-                               write_det_data, write_seg_config, write_seg_data)
-from utils import randomize_norms
+from reliability_utils import (DIST_TRAIN, write_det_config, write_det_data, write_seg_config,
+                               write_seg_data)
+from utils import randomize_norms, subprocess_env, subprocess_run
 
 import kcla_mm.host_fixes  # noqa: F401  (the CPU launch, as the configs and tools import it)
 from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg

@@ -14,7 +14,8 @@ import sys
 import pytest
 from mmengine.fileio import get_file_backend
 from mmengine.runner.checkpoint import CheckpointLoader
-from reliability_utils import ROOT, subprocess_run
+from reliability_utils import ROOT
+from utils import subprocess_run
 
 import kcla_mm.host_fixes
 from kcla_mm.utils.checkpoint import AtomicLocalBackend, load_from_local

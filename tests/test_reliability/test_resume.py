@@ -24,8 +24,8 @@ import time
 
 import pytest
 import torch
-from reliability_utils import (ROOT, TRAIN, subprocess_env, subprocess_run, write_seg_config,
-                               write_seg_data)
+from reliability_utils import ROOT, TRAIN, write_seg_config, write_seg_data
+from utils import subprocess_env, subprocess_run
 
 from kcla_mm.utils.checkpoint import safe_load
 
