@@ -134,3 +134,8 @@ class RefKCLAResNet(nn.Module):
                                        head_dim=self.head_dim)
             outs.append(x)
         return tuple(outs)
+
+    def logits(self, x):
+        """The reference classifier's scores before the softmax: ``fc`` of the last
+        stage's features averaged over all positions."""
+        return self.fc(self.forward(x)[-1].mean((2, 3)))

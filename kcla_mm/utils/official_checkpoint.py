@@ -13,11 +13,17 @@ kcla_mm recomputes; they are checked against the default range); the init
 modules of the network's first block, which never receives a state; and the
 ``adjust_channel`` of same-width re-normalising blocks (block 11), which the
 reference creates but never applies.
+
+:func:`to_classifier_state_dict` puts a converted backbone and the
+reference's ``fc`` together as the state dict of mmpretrain's
+``ImageClassifier`` (``KCLAResNet`` backbone, ``GlobalAveragePooling`` neck,
+``LinearClsHead``): the reference also classifies the global average of the
+last stage with one linear layer.
 """
 import math
 import re
 from collections import OrderedDict
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -27,8 +33,13 @@ _ATTN_NAMES = {
 }
 _BLOCK = re.compile(r'^layer(\d+)\.layers\.(\d+)\.(.+)$')
 _ATTN = re.compile(r'^layer(\d+)\.attention\.(\d+)\.([A-Za-z_]+)(\..+)?$')
+_CONV = re.compile(r'^layer(\d+)\.(\d+)\.conv(\d+)\.weight$')
 _STEM = re.compile(
     r'^(conv1\.weight|bn1\.(weight|bias|running_mean|running_var|num_batches_tracked))$')
+
+
+#: The reference classifier's keys and their names in mmpretrain's ``ImageClassifier``.
+FC_KEYS = OrderedDict([('fc.weight', 'head.fc.weight'), ('fc.bias', 'head.fc.bias')])
 
 
 class NotAnOfficialCheckpoint(ValueError):
@@ -118,3 +129,48 @@ def convert_official_state_dict(
         else:
             report['unmapped'].append(k)
     return out, report
+
+
+def backbone_width(backbone_sd: Mapping[str, torch.Tensor]) -> int:
+    """Channels of a converted backbone's last stage: the last conv of its last block."""
+    convs = {}  # (stage, block, conv) -> weight
+    for k, v in backbone_sd.items():
+        m = _CONV.match(k)
+        if m:
+            convs[tuple(int(n) for n in m.groups())] = v
+    if not convs:
+        raise ValueError('no layer{s}.{i}.conv{j}.weight keys: not a converted KCLAResNet')
+    return convs[max(convs)].shape[0]
+
+
+def to_classifier_state_dict(
+        backbone_sd: Mapping[str, torch.Tensor],
+        fc_weight: torch.Tensor,
+        fc_bias: torch.Tensor,
+        num_classes: Optional[int] = None) -> 'OrderedDict[str, torch.Tensor]':
+    """The state dict of mmpretrain's ``ImageClassifier`` from a converted backbone and ``fc``.
+
+    Args:
+        backbone_sd: ``KCLAResNet`` keys (the first result of
+            :func:`convert_official_state_dict`); they become ``backbone.<key>``.
+        fc_weight, fc_bias: the reference's ``fc.weight`` ``[num_classes, width]``
+            and ``fc.bias`` ``[num_classes]``; they become ``head.fc.*``.
+        num_classes: the number of classes asked for; ``None`` takes fc's.
+
+    Raises:
+        ValueError: fc's shapes do not fit the backbone's width or ``num_classes``.
+    """
+    width = backbone_width(backbone_sd)
+    if fc_weight.dim() != 2 or fc_weight.shape[1] != width:
+        raise ValueError(f'fc.weight has shape {list(fc_weight.shape)}; the backbone\'s last '
+                         f'stage has {width} channels, so it must be [num_classes, {width}]')
+    if num_classes is not None and fc_weight.shape[0] != num_classes:
+        raise ValueError(f'fc.weight has shape {list(fc_weight.shape)}: {fc_weight.shape[0]} '
+                         f'classes, not the {num_classes} asked for')
+    if tuple(fc_bias.shape) != (fc_weight.shape[0], ):
+        raise ValueError(f'fc.bias has shape {list(fc_bias.shape)}; fc.weight has '
+                         f'{fc_weight.shape[0]} classes, so it must be [{fc_weight.shape[0]}]')
+    out = OrderedDict(('backbone.' + k, v) for k, v in backbone_sd.items())
+    out[FC_KEYS['fc.weight']] = fc_weight
+    out[FC_KEYS['fc.bias']] = fc_bias
+    return out
