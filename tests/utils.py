@@ -3,6 +3,7 @@ import contextlib
 import inspect
 import os
 import os.path as osp
+import socket
 import subprocess
 from typing import Dict, Optional, Sequence
 
@@ -161,3 +162,9 @@ def subprocess_run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, s
     if check and proc.returncode != 0:
         raise AssertionError(f'{cmd} exited with {proc.returncode}:\n{proc.stdout[-6000:]}')
     return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]

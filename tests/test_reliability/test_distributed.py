@@ -10,7 +10,6 @@
 """
 import json
 import os.path as osp
-import socket
 import subprocess
 import sys
 from typing import Tuple
@@ -19,7 +18,7 @@ import pytest
 import torch
 from reliability_utils import (DIST_TRAIN, write_det_config, write_det_data, write_seg_config,
                                write_seg_data)
-from utils import randomize_norms, subprocess_env, subprocess_run
+from utils import free_port, randomize_norms, subprocess_env, subprocess_run
 
 import kcla_mm.host_fixes  # noqa: F401  (the CPU launch, as the configs and tools import it)
 from kcla_mm.models.backbones import KCLAResNet, KCLAResNetSeg
@@ -29,12 +28,6 @@ WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'ddp_worker.py')
 EXIT_WORKER = osp.join(osp.dirname(osp.abspath(__file__)), 'exit_worker.py')
 HOSTS = [KCLAResNet, KCLAResNetSeg]
 METHODS = ['KCLA', 'FullLayerAttention', 'MRLALight']
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

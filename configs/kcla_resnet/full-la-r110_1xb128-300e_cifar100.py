@@ -1,0 +1,5 @@
+# Exact layer attention CIFAR-ResNet-110 (Bottleneck, depth 9n + 2) on CIFAR-100, the KCLA
+# authors' recipe (see the base file).
+_base_ = './_base_/cifar-r20_1xb128-300e_cifar100.py'
+
+model = dict(backbone=dict(depth=110, layer_attn=dict(type='FullLayerAttention', drop_path=0.2)))

@@ -1,0 +1,5 @@
+# Plain ResNet-50 (KCLAResNet with layer_attn=None: exactly mmpretrain's ResNet)
+# on ImageNet-1k, on the KCLA authors' recipe (see the base file).
+_base_ = './_base_/kcla-r50_8xb32-100e_in1k.py'
+
+model = dict(backbone=dict(layer_attn=None))
