@@ -105,7 +105,8 @@ class RefCifarBottleneckNet(nn.Module):
                 b.c1, b.n1 = nn.Conv2d(cin, planes, 1, bias=False), nn.BatchNorm2d(planes)
                 b.c2 = nn.Conv2d(planes, planes, 3, stride=s, padding=1, bias=False)
                 b.n2 = nn.BatchNorm2d(planes)
-                b.c3, b.n3 = nn.Conv2d(planes, 4 * planes, 1, bias=False), nn.BatchNorm2d(4 * planes)
+                b.c3 = nn.Conv2d(planes, 4 * planes, 1, bias=False)
+                b.n3 = nn.BatchNorm2d(4 * planes)
                 b.short = None if (s == 1 and cin == 4 * planes) else nn.Sequential(
                     nn.Conv2d(cin, 4 * planes, 1, stride=s, bias=False),
                     nn.BatchNorm2d(4 * planes))
@@ -151,8 +152,8 @@ def test_cifar_network_layout(depth, block, n, widths):
     assert isinstance(model.maxpool, nn.Identity)
     assert (model.conv1.kernel_size, model.conv1.stride) == ((3, 3), (1, 1))
     outs = model.eval()(torch.rand(1, 3, 32, 32))
-    assert [tuple(o.shape[1:]) for o in outs] == [(widths[0], 32, 32), (widths[1], 16, 16),
-                                                   (widths[2], 8, 8)]
+    shapes = [(widths[0], 32, 32), (widths[1], 16, 16), (widths[2], 8, 8)]
+    assert [tuple(o.shape[1:]) for o in outs] == shapes
     # head size 16: 1-16 heads per stage; the cross-stage step adapts with a
     # stride-2 grouped 1x1 convolution
     heads = [model.layer_attn_modules()[i * n].num_heads for i in range(3)]
