@@ -76,8 +76,9 @@ def register_all() -> Dict[str, List[str]]:
         try:
             registry_module = importlib.import_module(f'{host}.registry')
         except Exception as e:  # installed but broken (e.g. its torchvision)
-            warnings.warn(f'kcla_mm: {host} is installed but cannot be imported ({type(e).__name__}: '
-                          f'{e}); its configs cannot use kcla_mm components', stacklevel=2)
+            warnings.warn(f'kcla_mm: {host} is installed but cannot be imported '
+                          f'({type(e).__name__}: {e}); its configs cannot use kcla_mm components',
+                          stacklevel=2)
             _registered[host] = []
             continue
         names = []

@@ -5,8 +5,8 @@ checkpoints come from the internet. mmengine 0.10.7 calls ``torch.load``
 without ``weights_only``; torch >= 2.6 then defaults to ``weights_only=True``
 and refuses mmengine's own checkpoints (they hold message-hub history buffers
 and numpy arrays). :func:`safe_load` loads with ``weights_only=True`` and an
-explicit allow-list of exactly the types mmengine, mmdet and mmseg write;
-:func:`load_from_local` is mmengine's local-file loader made safe, which
+explicit allow-list of exactly the types mmengine, mmdet, mmseg and
+mmpretrain write; :func:`load_from_local` is mmengine's local-file loader made safe, which
 :mod:`kcla_mm.host_fixes` registers with mmengine's ``CheckpointLoader``.
 
 A file that needs any other type is refused with an error that names the
