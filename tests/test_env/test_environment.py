@@ -109,3 +109,23 @@ def test_every_component_is_registered_in_each_scope(scope):
     reg = importlib.import_module(f'{scope}.registry')
     for registry_name, path, name in HOSTS[scope]:
         assert getattr(reg, registry_name).get(name) is not None, (scope, name)
+
+
+def test_a_host_that_cannot_be_imported_is_skipped_with_a_warning(monkeypatch, tmp_path):
+    # e.g. mmpretrain beside a torchvision built for another torch: detection
+    # and segmentation must keep working, and the reason must be named
+    from kcla_mm import registry
+    pkg = tmp_path / 'brokenhost'
+    pkg.mkdir()
+    (pkg / '__init__.py').write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.HOSTS, 'brokenhost', [('MODELS', 'nowhere:Nothing', 'Nothing')])
+    monkeypatch.setattr(registry, '_registered', dict(registry._registered))
+    with pytest.warns(UserWarning, match='brokenhost .*RuntimeError: operator torchvision::nms'):
+        result = registry.register_all()
+    assert result['brokenhost'] == []
+    assert 'KCLAResNet' in result['mmdet'] and 'KCLAResNet' in result['mmpretrain']
+    # a host that is not installed at all is skipped silently
+    monkeypatch.setitem(registry.HOSTS, 'absenthost', [('MODELS', 'nowhere:Nothing', 'Nothing')])
+    assert 'absenthost' not in registry.register_all()
