@@ -5,6 +5,7 @@ import os.path as osp
 import re
 import sys
 
+import mmpretrain
 import pytest
 import torch
 from mmengine.config import Config
@@ -18,6 +19,7 @@ CLS = osp.join(ROOT, 'configs/kcla_resnet/kcla-r50_8xb32-100e_in1k.py')
 DET = osp.join(ROOT, 'configs/kcla/demo/faster-rcnn_kcla-r18_fpn_synthetic.py')
 UNET = osp.join(ROOT, 'configs/unet/unet_kcla-r18-tiny_1xb8-300i_synthetic-kvasir-128x128.py')
 TOOLS = osp.join(ROOT, 'tools')
+UPSTREAM_TOOLS = osp.join(osp.dirname(mmpretrain.__file__), '.mim', 'tools')
 NUM_CLASSES = 4
 
 # The project's ImageNet config with the data paths on the synthetic set and the
@@ -74,12 +76,22 @@ def build(scope: str, cfg: dict):
 
 
 @pytest.mark.slow
-def test_tools_test_evaluates_the_classifier(classifier):
+@pytest.mark.parametrize('tools', [TOOLS, UPSTREAM_TOOLS], ids=['kcla_mm', 'mmpretrain'])
+def test_tools_test_evaluates_the_classifier(classifier, tools):
     cfg, ckpt = classifier
-    out = subprocess_run([sys.executable, osp.join(TOOLS, 'test.py'), cfg, ckpt],
+    out = subprocess_run([sys.executable, osp.join(tools, 'test.py'), cfg, ckpt],
                          timeout=300).stdout
     (top1, ) = re.findall(r'accuracy/top1: ([\d.]+)', out)
     assert 0 <= float(top1) <= 100
+
+
+@pytest.mark.slow
+def test_mmpretrains_own_train_tool_runs_the_config(classifier, tmp_path):
+    cfg, _ = classifier
+    subprocess_run([sys.executable, osp.join(UPSTREAM_TOOLS, 'train.py'), cfg, '--work-dir',
+                    str(tmp_path)], timeout=600)
+    state = safe_load(str(tmp_path / 'epoch_1.pth'))['state_dict']
+    assert any(k.startswith('backbone.layer4_attn.') for k in state)
 
 
 @pytest.mark.slow
