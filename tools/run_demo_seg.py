@@ -18,19 +18,18 @@ Usage::
     python tools/run_demo_seg.py [--work-dir work_dirs/demo_seg] [--iters 300]
 """
 import argparse
+import functools
 import glob
 import json
 import os
 import os.path as osp
-import resource
 import shutil
-import subprocess
 import sys
-import time
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+from _demo_common import ROOT, read_test_metrics, run_step
+
 CONFIG = osp.join(ROOT, 'configs', 'unet',
                   'unet_kcla-r18-tiny_1xb8-300i_synthetic-kvasir-128x128.py')
 METRICS = ('fg_IoU', 'fg_DSC', 'mIoU', 'mDice')
@@ -50,35 +49,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def step(title: str, cmd: List[str], log: str) -> float:
-    """Run one tool, its output to ``log``; returns the wall-clock seconds it took."""
-    print(f'[demo_seg] {title}: {" ".join(cmd)}', flush=True)
-    start, cpu = time.time(), _children_cpu()
-    with open(log, 'w') as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    seconds, cpu = time.time() - start, _children_cpu() - cpu
-    if proc.returncode != 0:
-        with open(log) as f:
-            tail = ''.join(f.readlines()[-30:])
-        raise SystemExit(f'[demo_seg] {title} failed (exit {proc.returncode}); last lines of '
-                         f'{log}:\n{tail}')
-    # CPU seconds too: on a shared machine the wall clock says little.
-    print(f'[demo_seg]   done in {seconds:.0f} s ({cpu:.0f} CPU s; log: {log})', flush=True)
-    return seconds
-
-
-def test_metrics(work_dir: str) -> Dict[str, float]:
-    """Metrics that ``tools/test.py`` dumped as ``WORK_DIR/<timestamp>/<timestamp>.json``."""
-    dumps = sorted(glob.glob(osp.join(work_dir, '*', '*.json')), key=osp.getmtime)
-    if not dumps:
-        raise SystemExit(f'[demo_seg] no metrics json under {work_dir}')
-    with open(dumps[-1]) as f:
-        return json.load(f)
+TAG = 'demo_seg'
+step = functools.partial(run_step, tag=TAG)
+test_metrics = functools.partial(read_test_metrics, tag=TAG)
 
 
 def save_untrained(config: str, out: str, seed: int) -> None:
