@@ -1,5 +1,4 @@
 """Classification configs: names, the recipes they state, metafile, and every model runs."""
-import functools
 import glob
 import os.path as osp
 import re
@@ -7,7 +6,7 @@ import re
 import pytest
 import torch
 import yaml
-from mmengine.config import Config
+from config_utils import LAYER_ATTN, ids, load, without_scope
 from mmengine.hub import get_config
 from mmengine.registry import DefaultScope
 from mmpretrain.registry import MODELS
@@ -19,25 +18,6 @@ IN1K = [p for p in CONFIGS if p.endswith('_in1k.py')]
 CIFAR = [p for p in CONFIGS if p.endswith('_cifar100.py')]
 NAME = re.compile(r'^(?P<attn>kcla-|mrla-light-|full-la-)?r(?P<depth>\d+)_'
                   r'(?P<recipe>8xb32-100e_in1k|8xb32_in1k|1xb128-300e_cifar100)\.py$')
-LAYER_ATTN = {'kcla-': 'KCLA', 'mrla-light-': 'MRLALight', 'full-la-': 'FullLayerAttention',
-              None: None}
-
-
-@functools.lru_cache(maxsize=None)
-def load(path: str) -> Config:
-    return Config.fromfile(path)
-
-
-def ids(paths):
-    return [osp.basename(p) for p in paths]
-
-
-def without_scope(value):
-    if isinstance(value, dict):
-        return {k: without_scope(v) for k, v in value.items() if k != '_scope_'}
-    if isinstance(value, (list, tuple)):
-        return type(value)(without_scope(v) for v in value)
-    return value
 
 
 def test_every_method_and_depth_has_a_config():

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import yaml
+from config_utils import LAYER_ATTN, load, without_scope
 from mmdet.registry import MODELS
 from mmdet.structures import DetDataSample
 from mmdet.structures.mask import BitmapMasks
@@ -27,14 +28,6 @@ DEMO = sorted(glob.glob(osp.join(ROOT, 'configs', 'kcla', 'demo', '*.py')))
 ALL = COCO + DEMO
 NAME = re.compile(r'^(?P<algo>faster|mask)-rcnn_(?P<attn>kcla-|mrla-light-|full-la-)?'
                   r'r(?P<depth>50|101)_fpn_1x_coco\.py$')
-LAYER_ATTN = {'kcla-': 'KCLA', 'mrla-light-': 'MRLALight', 'full-la-': 'FullLayerAttention',
-              None: None}
-
-
-@functools.lru_cache(maxsize=None)
-def load(path: str) -> Config:
-    """Each config is parsed once; tests only read it."""
-    return Config.fromfile(path)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,15 +35,6 @@ def base_of(path: str) -> Config:
     """The installed mmdet config that ``path`` inherits."""
     (base, ) = re.findall(r"^_base_ = '(mmdet::[^']+)'$", open(path).read(), re.M)
     return get_config(base)
-
-
-def without_scope(value):
-    """``value`` without the ``_scope_`` keys mmengine adds to inherited dicts."""
-    if isinstance(value, dict):
-        return {k: without_scope(v) for k, v in value.items() if k != '_scope_'}
-    if isinstance(value, (list, tuple)):
-        return type(value)(without_scope(v) for v in value)
-    return value
 
 
 def ids(paths):

@@ -1,12 +1,11 @@
 """configs/unet/heldout: the paper-protocol configs with a test split of their own."""
-import functools
 import glob
 import os.path as osp
 import re
 
 import pytest
 import yaml
-from mmengine.config import Config
+from config_utils import load
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 UNET = osp.join(ROOT, 'configs', 'unet')
@@ -14,11 +13,6 @@ HELDOUT = sorted(glob.glob(osp.join(UNET, 'heldout', '*.py')))
 NAME = re.compile(r'^(?P<stem>unet_.+_(isic2017|isic2018|kvasir-seg|synthetic-kvasir))'
                   r'-heldout-(?P<crop>\d+x\d+)\.py$')
 LOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
-
-
-@functools.lru_cache(maxsize=None)
-def load(path: str) -> Config:
-    return Config.fromfile(path)
 
 
 def parent_of(path: str) -> str:

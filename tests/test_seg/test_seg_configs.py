@@ -1,5 +1,4 @@
 """configs/unet: names, the two protocols, and every model builds."""
-import functools
 import glob
 import os.path as osp
 import re
@@ -7,7 +6,7 @@ import re
 import pytest
 import torch
 import yaml
-from mmengine.config import Config
+from config_utils import LAYER_ATTN, ids, load
 from mmengine.registry import DefaultScope
 from mmseg.registry import DATASETS, METRICS, MODELS
 
@@ -21,18 +20,6 @@ NAME = re.compile(r'^unet_(kcla-|mrla-light-|full-la-)?r(18|34|50)(-tiny)?'
                   r'_1xb(8|16)-(300e|20k|\d+i)'
                   r'_(?P<dataset>isic2017|isic2018|kvasir-seg|synthetic-kvasir)'
                   r'-(?P<crop>\d+)x(?P=crop)\.py$')
-LAYER_ATTN = {'kcla-': 'KCLA', 'mrla-light-': 'MRLALight', 'full-la-': 'FullLayerAttention',
-              None: None}
-
-
-@functools.lru_cache(maxsize=None)
-def load(path: str) -> Config:
-    """Each config is parsed once (about a second each); tests only read it."""
-    return Config.fromfile(path)
-
-
-def ids(paths):
-    return [osp.basename(p) for p in paths]
 
 
 def test_every_dataset_has_both_protocols():
