@@ -1,19 +1,5 @@
-"""Keep the process-wide state that Runners and scope switches leave behind local to a test."""
+"""Every reliability test on one thread (the default scope is restored by tests/conftest.py)."""
 import pytest
-
-
-@pytest.fixture(autouse=True)
-def restore_default_scope():
-    """Drop the ``DefaultScope`` instances a test created (a Runner or ``init_default_scope``).
-
-    mmengine builds every ``type`` in the latest default scope, so a leftover
-    ``mmseg`` scope would make later ``mmdet`` builds in this process fail.
-    """
-    from mmengine.registry import DefaultScope
-    before = set(DefaultScope._instance_dict)
-    yield
-    for name in [n for n in DefaultScope._instance_dict if n not in before]:
-        del DefaultScope._instance_dict[name]
 
 
 @pytest.fixture(autouse=True)
