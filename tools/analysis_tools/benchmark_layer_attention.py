@@ -67,7 +67,6 @@ from kcla_mm.analysis.benchmark import (CIFAR_DEPTHS, IMAGENET_DEPTHS, METHODS, 
                                         cpu_features, cpu_name, dump_results, load_results,
                                         markdown_table, plot, pooled_ratio_table,
                                         restart_with_tuned_allocator, round_ratio_table, run)
-from kcla_mm.models.backbones.cifar_kcla_resnet import CIFAR_BLOCKS, cifar_stage_blocks
 
 QUICK = dict(depths=[18], cifar_depths=[8, 14], batch=2, size=32, cifar_batch=2, cifar_size=16,
              repeats=1, warmup=0, threads=1, inner=1)
@@ -99,7 +98,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help=f'CIFAR ResNet depths (6n+2 or 9n+2, see --cifar-block; none: '
                         f'skip the family); default '
                         f'{FULL["cifar_depths"]}')
-    parser.add_argument('--cifar-block', default='BasicBlock', choices=sorted(CIFAR_BLOCKS),
+    parser.add_argument('--cifar-block', default='BasicBlock', choices=('BasicBlock', 'Bottleneck'),
                         help='block of the CIFAR ResNets: BasicBlock (depth 6n+2, default) or '
                         'Bottleneck (depth 9n+2, the layer-attention papers\' networks)')
     parser.add_argument('--batch', type=int, default=None,
@@ -178,11 +177,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [d for d in args.depths if d not in (50, 101, 152, 18, 34)]
     if bad:
         parser.error(f'--depths {bad}: ResNet depths are 18, 34, 50, 101, 152')
-    for depth in args.cifar_depths:
-        try:
-            cifar_stage_blocks(depth, args.cifar_block)
-        except ValueError as e:
-            parser.error(f'--cifar-depths: {e}')
+    if args.cifar_depths:
+        try:  # the CIFAR family is mmpretrain's; the ImageNet family needs only mmdet
+            from kcla_mm.models.backbones.cifar_kcla_resnet import cifar_stage_blocks
+        except ImportError as e:
+            parser.error(f'the CIFAR family (--cifar-depths) builds CifarKCLAResNet, which needs '
+                         f'mmpretrain ({e}); install it, or pass --cifar-depths without depths')
+        for depth in args.cifar_depths:
+            try:
+                cifar_stage_blocks(depth, args.cifar_block)
+            except ValueError as e:
+                parser.error(f'--cifar-depths: {e}')
     return args
 
 
