@@ -703,3 +703,22 @@ def test_run_measures_under_autocast_when_asked(amp):
     run([c], {c: model}, {'cifar': Setting(2, 16)}, torch.device('cpu'), repeats=1, warmup=1,
         count_flops_fn=lambda m, x: None, amp=amp)
     assert len(seen) >= 3 and set(seen) == {amp}
+
+
+def test_without_mmpretrain_the_cifar_family_is_refused_by_name_and_imagenet_runs(tmp_path):
+    # an mmdet-only installation: mmpretrain cannot be imported
+    blocker = tmp_path / 'without_mmpretrain.py'
+    blocker.write_text(
+        'import sys\n'
+        'sys.modules["mmpretrain"] = None  # import fails, find_spec says not installed\n'
+        f'sys.argv = [{str(TOOL)!r}] + sys.argv[1:]\n'
+        f'exec(compile(open({str(TOOL)!r}).read(), {str(TOOL)!r}, "exec"))\n')
+    run = [sys.executable, str(blocker), '--quick', '--no-flops', '--methods', 'KCLA',
+           '--out-dir', str(tmp_path / 'out')]
+    proc = subprocess.run(run + ['--depths', '--cifar-depths', '8'], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and 'needs mmpretrain' in proc.stderr
+    proc = subprocess.run(run + ['--depths', '18', '--cifar-depths'], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '| ResNet-18 | KCLA |' in (tmp_path / 'out' / 'benchmark.md').read_text()
