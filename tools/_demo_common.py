@@ -2,11 +2,13 @@
 
 Each step of a demo is one of the repository's tools, run as a child process
 with its output in a log file; :func:`run_step` prints the command, the wall
-and CPU time it took and, when it fails, the end of its log.
-:func:`read_test_metrics` reads the metrics ``tools/test.py`` dumped.
+and CPU time it took and, when it fails, the end of its log;
+:func:`child_env` is the steps' environment. :func:`read_test_metrics` reads
+the metrics ``tools/test.py`` dumped.
 """
 import glob
 import json
+import os
 import os.path as osp
 import resource
 import subprocess
@@ -20,6 +22,20 @@ def children_cpu() -> float:
     """CPU seconds (user + system) of the finished child processes so far."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def child_env() -> Dict[str, str]:
+    """The environment of the steps: this process's, with ``OMP_WAIT_POLICY=PASSIVE``
+    unless set.
+
+    Idle OpenMP threads then sleep instead of spinning. On a machine whose
+    cores are shared with other jobs, spinning threads slow PyTorch's CPU
+    kernels down several times over; on an idle machine the setting costs next
+    to nothing.
+    """
+    env = dict(os.environ)
+    env.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+    return env
 
 
 def run_step(title: str, cmd: List[str], log: str, *, tag: str, cwd: str = ROOT,
@@ -54,9 +70,12 @@ def run_step(title: str, cmd: List[str], log: str, *, tag: str, cwd: str = ROOT,
 
 
 def read_test_metrics(work_dir: str, *, tag: str) -> Dict[str, float]:
-    """Metrics that ``tools/test.py`` dumped as ``WORK_DIR/<timestamp>/<timestamp>.json``."""
-    dumps = sorted(glob.glob(osp.join(work_dir, '*', '*.json')), key=osp.getmtime)
+    """The metrics of the latest ``tools/test.py`` run with this work dir, which
+    dumped them as ``WORK_DIR/<timestamp>/<timestamp>.json``."""
+    dumps = sorted(p for p in glob.glob(osp.join(work_dir, '*', '*.json'))
+                   if osp.basename(p) == osp.basename(osp.dirname(p)) + '.json')
     if not dumps:
-        raise SystemExit(f'[{tag}] no metrics json under {work_dir}')
+        raise SystemExit(f'[{tag}] no test metrics (<timestamp>/<timestamp>.json) in '
+                         f'{work_dir}')
     with open(dumps[-1]) as f:
         return json.load(f)

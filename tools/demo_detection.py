@@ -27,16 +27,19 @@ Usage (from the repository root)::
     python tools/demo_detection.py --max-iters 100 --num-train 200
 """
 import argparse
+import functools
 import glob
 import json
-import os
 import os.path as osp
 import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+from _demo_common import ROOT, child_env, read_test_metrics
+
+TAG = 'demo_det'
+test_metrics = functools.partial(read_test_metrics, tag=TAG)
 DEFAULT_CONFIG = osp.join(ROOT, 'configs', 'kcla', 'demo', 'faster-rcnn_kcla-r18_fpn_synthetic.py')
 #: metrics shown in the summary table when present (keys of mmdet's CocoMetric, after ``coco/``).
 SHOWN_METRICS = ('bbox_mAP', 'bbox_mAP_50', 'bbox_mAP_75', 'bbox_mAP_s', 'bbox_mAP_m',
@@ -68,30 +71,6 @@ def data_options(data_root: str) -> List[str]:
             f'val_dataloader.dataset.data_root={root}',
             f'test_dataloader.dataset.data_root={root}',
             f'val_evaluator.ann_file={ann}', f'test_evaluator.ann_file={ann}']
-
-
-def read_test_metrics(work_dir: str) -> Dict[str, float]:
-    """The metrics of the latest ``tools/test.py`` run with this work dir."""
-    found = sorted(glob.glob(osp.join(work_dir, '*', '*.json')))
-    runs = [p for p in found
-            if osp.basename(p) == osp.basename(osp.dirname(p)) + '.json']
-    if not runs:
-        raise FileNotFoundError(f'no test metrics (<timestamp>/<timestamp>.json) in {work_dir}')
-    with open(runs[-1]) as f:
-        return json.load(f)
-
-
-def child_env() -> Dict[str, str]:
-    """The environment of the steps.
-
-    ``OMP_WAIT_POLICY=PASSIVE`` (unless set): idle OpenMP threads sleep
-    instead of spinning. On a machine whose cores are shared with other jobs,
-    spinning threads slow PyTorch's CPU kernels down several times over; on an
-    idle machine the setting costs next to nothing.
-    """
-    env = dict(os.environ)
-    env.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
-    return env
 
 
 def run(cmd: List[str], what: str) -> float:
@@ -143,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         [python, osp.join(ROOT, 'tools', 'test.py'), args.config, checkpoint,
          '--work-dir', test_dir, '--show-dir', vis_dir, '--cfg-options', *options],
         'evaluation of the trained model')
-    trained = read_test_metrics(test_dir)
+    trained = test_metrics(test_dir)
 
     untrained_dir = osp.join(work_dir, 'untrained')
     init_checkpoint = osp.join(untrained_dir, 'init.pth')
@@ -154,7 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         [python, osp.join(ROOT, 'tools', 'test.py'), args.config, init_checkpoint,
          '--work-dir', untrained_dir, '--cfg-options', *options],
         'evaluation of the untrained model')
-    untrained = read_test_metrics(untrained_dir)
+    untrained = test_metrics(untrained_dir)
 
     summary = dict(config=args.config, checkpoint=checkpoint, untrained=untrained,
                    trained=trained, seconds={k: round(v, 1) for k, v in timings.items()},

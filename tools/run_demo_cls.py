@@ -24,9 +24,9 @@ import os
 import os.path as osp
 import shutil
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-from _demo_common import ROOT, read_test_metrics, run_step
+from _demo_common import ROOT, child_env, read_test_metrics, run_step
 
 CONFIG = osp.join(ROOT, 'configs', 'kcla_resnet', 'demo',
                   'kcla-r20_1xb32-300i_synthetic-cifar100.py')
@@ -56,17 +56,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not 5 <= args.classes <= 100:  # top-5 accuracy needs at least 5 classes
         parser.error(f'--classes must be in 5..100, got {args.classes}')
     return args
-
-
-def child_env() -> Dict[str, str]:
-    """The steps' environment: ``OMP_WAIT_POLICY=PASSIVE`` unless set.
-
-    Idle OpenMP threads then sleep instead of spinning, which on cores shared
-    with other jobs makes PyTorch's CPU kernels several times faster.
-    """
-    env = dict(os.environ)
-    env.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
-    return env
 
 
 def config_options(data: str, classes: int, seed: int, iters: Optional[int]) -> List[str]:
