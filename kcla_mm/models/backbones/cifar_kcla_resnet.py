@@ -7,7 +7,8 @@ from torch import nn
 
 from .mmpretrain_kcla_resnet import KCLAResNetCls
 
-#: ``block`` argument -> (block class, blocks per stage per unit of depth)
+#: ``block`` argument -> (block class, layers one block adds to the depth over
+#: the three stages: 3 x 3 convolutions for a Bottleneck, 3 x 2 for a BasicBlock)
 CIFAR_BLOCKS: Dict[str, Tuple[type, int]] = {'Bottleneck': (Bottleneck, 9),
                                              'BasicBlock': (BasicBlock, 6)}
 
@@ -20,12 +21,12 @@ def cifar_stage_blocks(depth: int, block: str = 'Bottleneck') -> int:
     """
     if block not in CIFAR_BLOCKS:
         raise ValueError(f'block={block!r}; choose one of {sorted(CIFAR_BLOCKS)}')
-    per_block = CIFAR_BLOCKS[block][1] // 3
-    if not isinstance(depth, int) or depth < 2 + 3 * per_block or (depth - 2) % (3 * per_block):
-        raise ValueError(f'a CIFAR ResNet of {block}s has depth {3 * per_block}n + 2 '
-                         f'({", ".join(str(3 * per_block * n + 2) for n in (1, 2, 6))}, ...), '
+    unit = CIFAR_BLOCKS[block][1]
+    if not isinstance(depth, int) or depth < unit + 2 or (depth - 2) % unit:
+        raise ValueError(f'a CIFAR ResNet of {block}s has depth {unit}n + 2 '
+                         f'({", ".join(str(unit * n + 2) for n in (1, 2, 6))}, ...), '
                          f'got depth={depth!r}')
-    return (depth - 2) // (3 * per_block)
+    return (depth - 2) // unit
 
 
 class CifarKCLAResNet(KCLAResNetCls):
