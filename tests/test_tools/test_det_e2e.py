@@ -22,7 +22,7 @@ import mmdet
 import numpy as np
 import pytest
 import torch
-from utils import torch_threads
+from utils import subprocess_run, torch_threads
 
 from kcla_mm.datasets.synthetic_coco import generate
 from kcla_mm.utils.checkpoint import TRUST_ENV
@@ -226,18 +226,8 @@ def shrink_options(data_root: str) -> List[str]:
     return options
 
 
-def child_env() -> Dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1')
-    env.pop(TRUST_ENV, None)
-    env['PYTHONPATH'] = os.pathsep.join([ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
-    return env
-
-
 def run_tool(argv: List[str], timeout: float = 240) -> None:
-    proc = subprocess.run([sys.executable] + argv, cwd=ROOT, env=child_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f'{argv[0]} failed:\n{proc.stdout[-6000:]}'
+    subprocess_run([sys.executable] + argv, timeout=timeout)
 
 
 def scalars(train_dir: str) -> List[dict]:
